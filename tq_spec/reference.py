@@ -114,7 +114,11 @@ def _attend_chunk(q, keys, values, q_pos, k_pos, *, scale, window, cap, sinks, p
     ``[r, Hkv, G, D]`` in the accumulation dtype.
     """
     acc = prec.accumulate
-    s = np.einsum("rhgd,nhd->rhgn", q.astype(acc), keys.astype(acc)) * acc(scale)
+    r, h, g, d = q.shape
+    # Batched matmuls over kv heads (BLAS) rather than einsum: [h, r*g, d] @ [h, d, n].
+    qh = np.ascontiguousarray(q.astype(acc).transpose(1, 0, 2, 3).reshape(h, r * g, d))
+    s = np.matmul(qh, keys.astype(acc).transpose(1, 2, 0))
+    s = s.reshape(h, r, g, -1).transpose(1, 0, 2, 3) * acc(scale)
     if cap is not None:
         s = acc(cap) * np.tanh(s / acc(cap))
     visible = k_pos[None, :] <= q_pos[:, None]
@@ -131,7 +135,8 @@ def _attend_chunk(q, keys, values, q_pos, k_pos, *, scale, window, cap, sinks, p
     denom = p.sum(axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + np.exp(sinks[None, :, :, None].astype(acc) - m_safe)
-    out = np.einsum("rhgn,nhd->rhgd", prec.round_operand(p).astype(acc), values.astype(acc))
+    ph = np.ascontiguousarray(prec.round_operand(p).astype(acc).transpose(1, 0, 2, 3).reshape(h, r * g, -1))
+    out = np.matmul(ph, values.astype(acc).transpose(1, 0, 2)).reshape(h, r, g, d).transpose(1, 0, 2, 3)
     out = out / np.where(any_visible, denom, 1.0)
     return np.where(any_visible, out, 0.0).astype(acc)
 
@@ -165,18 +170,23 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
     out = np.zeros((t, hkv, g, d), dtype=prec.accumulate)
     for b in range(bt.shape[0]):
         start, stop = int(qsl[b]), int(qsl[b + 1])
+        if start == stop:
+            continue
         length = int(sl[b])
+        first = length - (stop - start)
+        # Only keys some row may see are read: masked pages never reach the math.
+        seq_lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+        k_seq, v_seq = decode_slots(_gather_tokens(cache, bt[b], seq_lo, length), params)
+        k_seq, v_seq = prec.round_operand(k_seq), prec.round_operand(v_seq)
         for c0 in range(start, stop, _QUERY_CHUNK):
             c1 = min(stop, c0 + _QUERY_CHUNK)
-            q_pos = length - (stop - start) + np.arange(c0 - start, c1 - start)
+            q_pos = first + np.arange(c0 - start, c1 - start)
             k_lo = 0 if sliding_window is None else max(0, int(q_pos[0]) - sliding_window + 1)
             k_hi = int(q_pos[-1]) + 1
-            # Only keys some row may see are read: masked pages never reach the math.
-            k_scoring, v = decode_slots(_gather_tokens(cache, bt[b], k_lo, k_hi), params)
             out[c0:c1] = _attend_chunk(
-                q[c0:c1], prec.round_operand(k_scoring), prec.round_operand(v), q_pos,
-                np.arange(k_lo, k_hi), scale=scale, window=sliding_window, cap=logits_soft_cap,
-                sinks=sink, prec=prec,
+                q[c0:c1], k_seq[k_lo - seq_lo:k_hi - seq_lo], v_seq[k_lo - seq_lo:k_hi - seq_lo],
+                q_pos, np.arange(k_lo, k_hi), scale=scale, window=sliding_window,
+                cap=logits_soft_cap, sinks=sink, prec=prec,
             )
     return out.reshape(t, hq, d)
 
