@@ -117,20 +117,22 @@ def encode_slots(key, value, params: QuantParams, *, details: bool = False):
     return out
 
 
-def decode_slots(slots, params: QuantParams):
-    # Garbage bytes (unused pages, canaries) may decode to NaN/Inf; that is
-    # expected and must not warn: callers decide what they read.
-    with np.errstate(invalid="ignore", over="ignore"):
-        return _decode_slots(slots, params)
-
-
-def _decode_slots(slots, params: QuantParams):
-    """Decodes ``uint8[..., slot_bytes]`` into ``(key_scoring, value)`` float64 ``[..., D]``.
+def decode_slots(slots, params: QuantParams, *, dtype=np.float64):
+    """Decodes ``uint8[..., slot_bytes]`` into ``(key_scoring, value)`` ``[..., D]``.
 
     ``key_scoring`` is the key in the space where scores are taken: for mse
     presets that is the *rotated* space (``n * c_hat[code]``; pair it with
     ``q_rot = Pi @ q``); for the other presets it is the key itself.
+    ``dtype=np.float32`` does the arithmetic the way fp32 kernels do (the norm
+    correction as one fp32 factor ``n / ||c||`` per token) for emulation.
     """
+    # Garbage bytes (unused pages, canaries) may decode to NaN/Inf; that is
+    # expected and must not warn: callers decide what they read.
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _decode_slots(slots, params, np.dtype(dtype).type)
+
+
+def _decode_slots(slots, params: QuantParams, ftype):
     lay = params.layout
     p = lay.preset
     s = np.asarray(slots)
@@ -142,20 +144,23 @@ def _decode_slots(slots, params: QuantParams):
     if p.key_format == "raw":
         k = _decode_raw(s[..., : lay.key_bytes], p.raw_dtype, d)
         v = _decode_raw(s[..., lay.value_offset : lay.value_offset + lay.value_bytes], p.raw_dtype, d)
-        return k, v
+        return k.astype(ftype), v.astype(ftype)
     if p.key_format == "fp8":
-        k = fp8_e4m3fn_decode(s[..., : lay.key_bytes]).astype(np.float64)
+        k = fp8_e4m3fn_decode(s[..., : lay.key_bytes]).astype(ftype)
     else:
         codes = unpack_bits(s[..., : lay.key_bytes], p.key_bits, d)
-        c = params.codebook.centroids.astype(np.float64)[codes]
+        c = params.codebook.centroids.astype(ftype)[codes]
+        norm = fp16_from_bytes(s[..., lay.key_norm_offset : lay.key_norm_offset + 2]).astype(ftype)[..., None]
         if p.norm_correction:
-            c = c / np.sqrt(np.sum(c * c, axis=-1, keepdims=True))
-        norm = fp16_from_bytes(s[..., lay.key_norm_offset : lay.key_norm_offset + 2]).astype(np.float64)
-        k = norm[..., None] * c
+            if ftype is np.float64:
+                c = c / np.sqrt(np.sum(c * c, axis=-1, keepdims=True))
+            else:
+                norm = norm / np.sqrt(np.sum(c * c, axis=-1, keepdims=True, dtype=ftype))
+        k = norm * c
     vcodes = unpack_bits(s[..., lay.value_offset : lay.value_offset + lay.value_bytes], p.value_bits, d)
-    scale = fp16_from_bytes(s[..., lay.value_scale_offset : lay.value_scale_offset + 2]).astype(np.float64)
-    zero = fp16_from_bytes(s[..., lay.value_zero_offset : lay.value_zero_offset + 2]).astype(np.float64)
-    v = vcodes.astype(np.float64) * scale[..., None] + zero[..., None]
+    scale = fp16_from_bytes(s[..., lay.value_scale_offset : lay.value_scale_offset + 2]).astype(ftype)
+    zero = fp16_from_bytes(s[..., lay.value_zero_offset : lay.value_zero_offset + 2]).astype(ftype)
+    v = vcodes.astype(ftype) * scale[..., None] + zero[..., None]
     return k, v
 
 

@@ -142,7 +142,8 @@ def _attend_chunk(q, keys, values, q_pos, k_pos, *, scale, window, cap, sinks, p
 
 
 def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale,
-                     sliding_window, logits_soft_cap, sinks, rotation, codebook, prec: _Precision):
+                     sliding_window, logits_soft_cap, sinks, rotation, codebook, prec: _Precision,
+                     stats: dict | None = None):
     lay = check_paged_attention_values(
         query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
@@ -157,15 +158,19 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
     hkv = cache.shape[2]
     g = hq // hkv
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    if stats is not None:
+        stats.update(head_dim=d, scale=scale, max_key_norm=0.0, max_abs_value=0.0)
     sink = None if sinks is None else np.asarray(sinks, dtype=np.float64).reshape(hkv, g)
 
     q = np.asarray(query).astype(np.float64)
     # Kernels see the query in its own dtype, rotate it in fp32, then feed the
     # dot in the compute dtype; the reference rotates in float64.
-    if prec is not _FLOAT64:
-        q = rotate_queries(q, params).astype(np.float32)
-    else:
+    if prec is _FLOAT64:
         q = rotate_queries(q, params)
+    elif params.rotation is not None:
+        q = np.matmul(q.astype(np.float32), params.rotation.T)  # fp32 accumulation, as kernels
+    if stats is not None:
+        stats["max_query_norm"] = float(np.sqrt((q.astype(np.float64) ** 2).sum(-1)).max(initial=0.0))
     q = prec.round_operand(q).reshape(t, hkv, g, d)
     out = np.zeros((t, hkv, g, d), dtype=prec.accumulate)
     for b in range(bt.shape[0]):
@@ -176,8 +181,13 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
         first = length - (stop - start)
         # Only keys some row may see are read: masked pages never reach the math.
         seq_lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
-        k_seq, v_seq = decode_slots(_gather_tokens(cache, bt[b], seq_lo, length), params)
+        k_seq, v_seq = decode_slots(_gather_tokens(cache, bt[b], seq_lo, length), params,
+                                    dtype=prec.accumulate)
         k_seq, v_seq = prec.round_operand(k_seq), prec.round_operand(v_seq)
+        if stats is not None and len(k_seq):
+            kn = float(np.sqrt((k_seq.astype(np.float64) ** 2).sum(-1)).max())
+            stats["max_key_norm"] = max(stats.get("max_key_norm", 0.0), kn)
+            stats["max_abs_value"] = max(stats.get("max_abs_value", 0.0), float(np.abs(v_seq).max()))
         for c0 in range(start, stop, _QUERY_CHUNK):
             c1 = min(stop, c0 + _QUERY_CHUNK)
             q_pos = first + np.arange(c0 - start, c1 - start)
@@ -222,14 +232,18 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
 def emulate_paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
                             preset: PresetLike, compute_dtype: str, out_dtype: str | None = None,
                             scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
-                            rotation=None, codebook: Codebook | None = None) -> np.ndarray:
+                            rotation=None, codebook: Codebook | None = None,
+                            stats: dict | None = None) -> np.ndarray:
     """`paged_attention` computed the way a kernel does, to size tolerances.
 
     Operands of both dots (rotated query, decoded K, decoded V, softmax
     probabilities) are rounded to `compute_dtype` (one of `COMPUTE_DTYPES`),
     everything accumulates in float32, and the result is rounded to
-    `out_dtype` (default: `compute_dtype`, or float32 for tfloat32). Returns
-    float64 ``[T, Hq, D]`` holding the rounded values.
+    `out_dtype` (default: `compute_dtype`, or float32 for tfloat32). The
+    query rotation and the key/value decode run in float32, as in the kernels.
+    Returns float64 ``[T, Hq, D]`` holding the rounded values. If `stats` is a
+    dict it receives ``head_dim``, ``scale``, ``max_query_norm`` (rotated),
+    ``max_key_norm`` and ``max_abs_value`` over the keys actually read.
     """
     if compute_dtype not in _ROUNDERS:
         raise ValueError(f"compute_dtype: expected one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
@@ -240,6 +254,6 @@ def emulate_paged_attention(query, kv_cache, block_table, seq_lens, query_start_
     out = _paged_attention(
         query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-        rotation=rotation, codebook=codebook, prec=prec,
+        rotation=rotation, codebook=codebook, prec=prec, stats=stats,
     )
     return _ROUNDERS[out_dtype](out).astype(np.float64)
