@@ -236,10 +236,33 @@ def attention_bound(emulated_err: float, ref_max_abs: float, out_dtype: str, sta
     return ATTENTION_ERROR_FACTOR * emulated_err + floor
 
 
+@dataclass
+class Emulation:
+    """The emulated output of one (case, compute dtype) and the magnitudes that size the floor."""
+
+    out: np.ndarray
+    stats: dict
+
+
+def emulate(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, compute_dtype=None,
+            scale=None, sliding_window=None, logits_soft_cap=None, sinks=None, rotation=None,
+            codebook=None) -> Emulation:
+    """`tq_spec.reference.emulate_paged_attention` in the query's output dtype, for reuse across legs."""
+    out_dtype = dtype_name(query)
+    stats: dict = {}
+    out = reference.emulate_paged_attention(
+        to_numpy(query), to_numpy(kv_cache), to_numpy(block_table), to_numpy(seq_lens),
+        to_numpy(query_start_loc), preset=preset, compute_dtype=compute_dtype or out_dtype,
+        out_dtype=out_dtype, scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        sinks=None if sinks is None else to_numpy(sinks), rotation=rotation, codebook=codebook, stats=stats)
+    return Emulation(out, stats)
+
+
 def check_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, *, preset,
                     compute_dtype: str | None = None, scale=None, sliding_window=None,
                     logits_soft_cap=None, sinks=None, rotation=None, codebook=None,
-                    reference_out: np.ndarray | None = None) -> AttentionComparison:
+                    reference_out: np.ndarray | None = None,
+                    emulation: Emulation | None = None) -> AttentionComparison:
     """Checks a leg's attention output against the float64 reference on the same cache.
 
     Args:
@@ -249,6 +272,7 @@ def check_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc
         ``"float16"``, ``"float32"`` (IEEE) or ``"tfloat32"``; default: the
         query dtype.
       reference_out: a precomputed float64 reference, to avoid recomputing it.
+      emulation: a precomputed `emulate(...)` for the same case and compute dtype.
     """
     out_dtype = dtype_name(query)
     compute_dtype = compute_dtype or out_dtype
@@ -258,9 +282,9 @@ def check_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc
               logits_soft_cap=logits_soft_cap,
               sinks=None if sinks is None else to_numpy(sinks), rotation=rotation, codebook=codebook)
     ref = reference.paged_attention(*args, **kw) if reference_out is None else reference_out
-    stats: dict = {}
-    emul = reference.emulate_paged_attention(*args, compute_dtype=compute_dtype, out_dtype=out_dtype,
-                                             stats=stats, **kw)
+    if emulation is None:
+        emulation = emulate(*args, compute_dtype=compute_dtype, **kw)
+    emul, stats = emulation.out, emulation.stats
     got = to_numpy(out).astype(np.float64)
     if got.shape != ref.shape:
         return AttentionComparison(np.inf, 0.0, 0.0, f"shape {got.shape} != {ref.shape}", got.size)
