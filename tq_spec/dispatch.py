@@ -53,9 +53,9 @@ PATHS: dict[str, PathRule] = {
     for rule in (
         PathRule(
             "decode",
-            "split-KV over the context: one program per (sequence, kv head, split) serving the "
-            "whole GQA group, looping over the sequence's query tokens; partials merged by "
-            "log-sum-exp",
+            "split-KV over the context: programs per (sequence, kv head, split) serving the "
+            "whole GQA group, correct for any q_len (a sequence with several queries gets more "
+            "query tiles); partials merged by log-sum-exp",
             _always,
         ),
         PathRule(

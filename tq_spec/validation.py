@@ -9,6 +9,7 @@ Every error names the argument, what was expected and what arrived.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -92,7 +93,8 @@ def check_store_kv(key, value, kv_cache, slot_mapping, *, preset: PresetLike) ->
 def _check_optional_float(name: str, x, *, positive: bool) -> None:
     if x is None:
         return
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not np.isfinite(float(x)):
+    # math.isfinite, not numpy: torch.compile traces numpy calls into tensor branches.
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
         raise TypeError(f"{name}: expected a finite float or None, got {x!r}")
     if positive and float(x) <= 0:
         raise ValueError(f"{name}: expected a value > 0, got {x!r}")
