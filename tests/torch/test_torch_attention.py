@@ -1,0 +1,117 @@
+"""tq_torch.paged_attention vs the float64 reference on the same cache bytes (CPU: Triton interpreter).
+
+Every eligible path of `tq_spec.dispatch` is forced on every case; outputs are
+NaN-poisoned before each run; caches carry NaN-producing garbage in unused
+pages, page tails, out-of-window slots and unused block-table columns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tq_spec
+import tq_torch
+from tq_torch_testlib import AttnCase, build, check_against_reference, device, eligible_paths, run_path
+
+PLAIN = ("turboquant_k8v4", "bf16", "fp16")  # presets that accept any multiple-of-8 head_dim
+
+# Small on purpose: the interpreter runs every program in numpy.
+CPU_CASES = (
+    AttnCase("decode_batch", seq_lens=(1, 5, 9, 17), q_lens=(1, 1, 1, 1)),
+    # q_len 8 over seq 9 with page 16 (a FlashInfer regression), GQA 3, a q_len-0
+    # continuation and an empty sequence.
+    AttnCase("mixed_q8_seq9_page16_gqa3", seq_lens=(9, 20, 3, 0), q_lens=(8, 0, 3, 0),
+             num_q_heads=3, num_kv_heads=1, page=16, dtype=torch.float16),
+    AttnCase("window4_gqa7_page3", seq_lens=(17, 6, 30), q_lens=(5, 1, 2), num_q_heads=7,
+             num_kv_heads=1, page=3, window=4),
+    AttnCase("window1_softcap30_sinks_page1_mha", seq_lens=(7, 12), q_lens=(3, 1), num_q_heads=4,
+             num_kv_heads=4, page=1, window=1, soft_cap=30.0, sinks=True, dtype=torch.float32,
+             presets=("turboquant_4bit_nc", "turboquant_k8v4", "bf16")),
+    AttnCase("d40_page48_gqa20_softcap50_sinks", seq_lens=(60, 5), q_lens=(2, 5), num_q_heads=20,
+             num_kv_heads=1, head_dim=40, page=48, soft_cap=50.0, sinks=True, dtype=torch.float16,
+             presets=PLAIN),
+    AttnCase("window_eq_and_gt_seq", seq_lens=(10, 6), q_lens=(10, 2), window=10,
+             presets=("turboquant_3bit_nc", "fp16")),
+    AttnCase("d128_fp32_scale", seq_lens=(33,), q_lens=(1,), num_q_heads=2, num_kv_heads=1,
+             head_dim=128, page=16, dtype=torch.float32, scale=0.3,
+             presets=("turboquant_k3v4_nc", "turboquant_k8v4")),
+    # Logits around -1e4..1e4: a finite -5e4 mask sentinel would let masked garbage win.
+    AttnCase("huge_logits_window3", seq_lens=(11,), q_lens=(2,), num_q_heads=2, num_kv_heads=1,
+             window=3, dtype=torch.float32, scale=3e3, presets=("turboquant_4bit_nc", "bf16")),
+)
+
+PARAMS = [cp for case in CPU_CASES for cp in case.preset_params()]
+
+
+@pytest.mark.parametrize("case,preset", PARAMS, ids=[f"{c.name}-{p}" for c, p in PARAMS])
+def test_every_path_matches_reference(case, preset):
+    built = build(case, preset)
+    cache_before = built.kv_cache.clone()
+    paths = eligible_paths(built)
+    assert set(paths) == set(tq_torch.PATH_NAMES), "cases here are eligible for every path"
+    outs = {}
+    reference_out = None
+    for path in paths:
+        outs[path] = run_path(built, path)
+        cmp = check_against_reference(built, outs[path], reference_out=reference_out)
+        assert cmp.max_err <= cmp.bound
+    auto = tq_torch.paged_attention(*built.args(), **built.kwargs())
+    chosen = "decode" if built.query.shape[0] <= len(case.seq_lens) else "extend"
+    assert torch.equal(auto, outs[chosen]), "path='auto' must run the path the dispatch table picks"
+    assert torch.equal(built.kv_cache, cache_before), "attention must not write the cache"
+
+
+@pytest.mark.parametrize("preset", ["turboquant_k3v4_nc", "fp16"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_split_counts(preset, num_splits):
+    # 8 splits over sequences of 1..6 keys: most splits are empty and must merge as nothing.
+    case = AttnCase("short_decode", seq_lens=(1, 6, 4), q_lens=(1, 2, 1), num_q_heads=6, num_kv_heads=2,
+                    page=2, window=3, sinks=True)
+    built = build(case, preset, seed=num_splits)
+    out = run_path(built, "decode", num_splits=num_splits)
+    check_against_reference(built, out)
+
+
+def test_randomized_rotation_and_exact_codebook():
+    preset = "turboquant_4bit_nc"
+    rot = tq_spec.rotation(64, "randomized_hadamard", seed=7)
+    cb = tq_spec.codebook(64, 4, flavor="exact")
+    case = AttnCase("custom_params", seq_lens=(13, 4), q_lens=(1, 4))
+    built = build(case, preset, rotation=rot, codebook=cb)
+    for path in ("decode", "extend"):
+        check_against_reference(built, run_path(built, path))
+    # The same cache read with the default parameters is a different (wrong) answer:
+    # proves the custom rotation/codebook actually reach the kernels.
+    default = tq_torch.paged_attention(*built.args(), **built.kwargs(), path="extend")
+    assert not torch.allclose(default.float(), run_path(built, "extend").float(), atol=1e-2)
+
+
+def test_rotation_as_torch_tensor_matches_numpy():
+    preset = "turboquant_3bit_nc"
+    rot = tq_spec.rotation(64, "randomized_hadamard")
+    case = AttnCase("tensor_rotation", seq_lens=(9,), q_lens=(1,))
+    built = build(case, preset, rotation=rot)
+    a = tq_torch.paged_attention(*built.args(), **built.kwargs(), rotation=rot)
+    b = tq_torch.paged_attention(*built.args(), **built.kwargs(), rotation=torch.from_numpy(rot.copy()))
+    assert torch.equal(a, b)
+
+
+def test_empty_batch_returns_empty():
+    dev = device()
+    lay = tq_spec.layout("turboquant_k8v4", 64)
+    cache = torch.zeros(2, 4, 1, lay.slot_bytes, dtype=torch.uint8, device=dev)
+    q = torch.randn(0, 2, 64, dtype=torch.bfloat16, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    for path in ("decode", "extend"):
+        out = tq_torch.paged_attention(q, cache, torch.zeros(1, 1, **i32), torch.zeros(1, **i32),
+                                       torch.zeros(2, **i32), preset="turboquant_k8v4", path=path)
+        assert out.shape == (0, 2, 64) and out.dtype == torch.bfloat16
+
+
+def test_forced_unknown_path_is_rejected():
+    built = build(AttnCase("tiny", seq_lens=(3,), q_lens=(1,)), "bf16")
+    with pytest.raises(ValueError, match="path"):
+        tq_torch.paged_attention(*built.args(), **built.kwargs(), path="flash")
+    with pytest.raises(TypeError, match="path"):
+        tq_torch.paged_attention(*built.args(), **built.kwargs(), path=None)

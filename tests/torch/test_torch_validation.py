@@ -1,0 +1,105 @@
+"""Bad input to tq_torch raises ValueError/TypeError naming the argument, before any launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tq_spec
+import tq_torch
+from tq_torch_testlib import device
+
+D = 64
+PRESET = "turboquant_4bit_nc"
+
+
+def _store_args(**over):
+    lay = tq_spec.layout(over.pop("preset_for_layout", PRESET), over.pop("d_for_layout", D))
+    args = dict(
+        key=torch.randn(3, 2, D), value=torch.randn(3, 2, D),
+        kv_cache=torch.zeros(2, 4, 2, lay.slot_bytes, dtype=torch.uint8),
+        slot_mapping=torch.tensor([0, 1, -1]),
+    )
+    args.update(over)
+    return {k: v.to(device()) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _attn_args(**over):
+    lay = tq_spec.layout(PRESET, D)
+    args = dict(
+        query=torch.randn(2, 4, D, dtype=torch.bfloat16),
+        kv_cache=torch.zeros(4, 4, 2, lay.slot_bytes, dtype=torch.uint8),
+        block_table=torch.zeros(2, 2, dtype=torch.int32),
+        seq_lens=torch.tensor([3, 5], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+    )
+    args.update(over)
+    return {k: v.to(device()) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _store(preset=PRESET, **kw):
+    a = _store_args(**kw.pop("args", {}))
+    return tq_torch.store_kv(a["key"], a["value"], a["kv_cache"], a["slot_mapping"], preset=preset, **kw)
+
+
+def _attend(preset=PRESET, **kw):
+    a = _attn_args(**kw.pop("args", {}))
+    return tq_torch.paged_attention(a["query"], a["kv_cache"], a["block_table"], a["seq_lens"],
+                                    a["query_start_loc"], preset=preset, **kw)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(preset="turboquant_2bit"), ValueError, "preset"),
+    (dict(args=dict(key=torch.randn(3, 2, D, dtype=torch.float64))), TypeError, "key"),
+    (dict(args=dict(value=torch.randn(3, 2, D, dtype=torch.float16))), TypeError, "value"),
+    (dict(args=dict(value=torch.randn(3, 1, D))), ValueError, "value"),
+    (dict(args=dict(key=torch.randn(3, 2, 48), value=torch.randn(3, 2, 48))), ValueError, "head_dim"),
+    (dict(args=dict(kv_cache=torch.zeros(2, 4, 2, 70, dtype=torch.int8))), TypeError, "kv_cache"),
+    (dict(args=dict(kv_cache=torch.zeros(2, 4, 2, 72, dtype=torch.uint8))), ValueError, "kv_cache"),
+    (dict(args=dict(kv_cache=torch.zeros(2, 4, 3, 70, dtype=torch.uint8))), ValueError, "kv_cache"),
+    (dict(args=dict(slot_mapping=torch.tensor([0.0, 1.0, 2.0]))), TypeError, "slot_mapping"),
+    (dict(args=dict(slot_mapping=torch.tensor([0, 1]))), ValueError, "slot_mapping"),
+    (dict(args=dict(key=np.zeros((3, 2, D), np.float32))), TypeError, "key"),
+    (dict(rotation=np.eye(32, dtype=np.float32)), ValueError, "rotation"),
+    (dict(rotation=torch.eye(32)), ValueError, "rotation"),
+    (dict(codebook=tq_spec.codebook(D, 3)), ValueError, "codebook"),
+    (dict(codebook="vllm"), TypeError, "codebook"),
+    (dict(preset="bf16", args=dict(kv_cache=torch.zeros(2, 4, 2, 256, dtype=torch.uint8)),
+          rotation=np.eye(D, dtype=np.float32)), ValueError, "rotation"),
+])
+def test_store_rejects(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _store(**kw)
+
+
+def test_store_rejects_odd_cache_strides():
+    lay = tq_spec.layout(PRESET, D)
+    big = torch.zeros(2, 4, 2, lay.slot_bytes + 1, dtype=torch.uint8, device=device())
+    with pytest.raises(ValueError, match="kv_cache"):
+        _store(args=dict(kv_cache=big[..., 1:]))
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(args=dict(query=torch.randn(2, 4, D, dtype=torch.float64))), TypeError, "query"),
+    (dict(args=dict(query=torch.randn(2, 3, D, dtype=torch.bfloat16))), ValueError, "Hq"),
+    (dict(args=dict(query=torch.randn(2, 4, 32, dtype=torch.bfloat16))), ValueError, "head_dim"),
+    (dict(args=dict(block_table=torch.zeros(2, 2, dtype=torch.int64))), TypeError, "block_table"),
+    (dict(args=dict(seq_lens=torch.tensor([3], dtype=torch.int32))), ValueError, "seq_lens"),
+    (dict(args=dict(query_start_loc=torch.tensor([0, 2], dtype=torch.int32))), ValueError, "query_start_loc"),
+    (dict(sliding_window=0), ValueError, "sliding_window"),
+    (dict(sliding_window=2.5), TypeError, "sliding_window"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+    (dict(scale=float("nan")), TypeError, "scale"),
+    (dict(sinks=torch.zeros(3, device=device())), ValueError, "sinks"),
+    (dict(sinks=torch.zeros(4, dtype=torch.float16, device=device())), TypeError, "sinks"),
+    (dict(sinks=np.zeros(4, np.float32)), TypeError, "sinks"),
+    (dict(path="prefill"), ValueError, "path"),
+    (dict(out=torch.empty(2, 4, D, device=device())), ValueError, "out"),
+    (dict(out=torch.empty(2, 4, 2 * D, dtype=torch.bfloat16, device=device())[..., ::2]), ValueError, "stride"),
+    (dict(rotation=np.ones((D, D), dtype=np.int32)), TypeError, "rotation"),
+    (dict(preset="nope"), ValueError, "preset"),
+])
+def test_attention_rejects(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _attend(**kw)

@@ -1,0 +1,1 @@
+"""Internals of tq_torch: Triton kernels, launchers, op registration."""

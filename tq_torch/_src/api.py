@@ -1,0 +1,140 @@
+"""Public entry points: validate (statically, no device sync), resolve, call the custom ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import tq_spec
+from tq_spec import dispatch, validation
+
+from . import config, params
+from . import ops  # noqa: F401  (registers torch.ops.tq_torch.*)
+
+
+def _expect_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_same_device(device: torch.device, **tensors) -> None:
+    for name, x in tensors.items():
+        if x is not None and x.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the kv_cache's device), got {x.device}")
+
+
+def _check_cache_storage(kv_cache: torch.Tensor) -> None:
+    """The kernels address 2-byte fields through an int16 view of the cache."""
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache: expected a contiguous last dim (stride 1), got strides {kv_cache.stride()}")
+    # storage_offset() cannot be traced by torch.compile; a compiled caller's
+    # cache is checked by the eager call that precedes capture in practice.
+    offset = 0 if torch.compiler.is_compiling() else kv_cache.storage_offset()
+    if any(s % 2 for s in kv_cache.stride()[:-1]) or offset % 2:
+        raise ValueError(
+            f"kv_cache: expected even strides and an even storage offset (2-byte fields), got strides "
+            f"{kv_cache.stride()} and offset {offset}")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+             preset, rotation=None, codebook=None) -> torch.Tensor:
+    """Quantises new keys/values and scatters them into the paged cache, in place.
+
+    Args:
+      key, value: ``[T, Hkv, D]`` float16/bfloat16/float32 (same dtype).
+      kv_cache: ``uint8[N, P, Hkv, slot_bytes]`` (vLLM layout), updated in place.
+      slot_mapping: ``[T]`` int32/int64; token ``t`` goes to slot
+        ``s = block * P + offset``; ``-1`` skips the token. Entries must be in
+        ``[-1, N * P)`` and unique (not checked on device: that would sync).
+      preset: a preset name or `tq_spec.Preset`.
+      rotation, codebook: mse presets only; see `tq_spec.quant_params`
+        (a torch tensor ``[D, D]`` is accepted for ``rotation`` as well).
+
+    Returns:
+      ``kv_cache`` (the same tensor, for convenience).
+    """
+    p = tq_spec.get_preset(preset)
+    for name, x in (("key", key), ("value", value), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        _expect_tensor(name, x)
+    lay = validation.check_store_kv(key, value, kv_cache, slot_mapping, preset=p)
+    dev = kv_cache.device
+    config.check_device(dev)
+    _check_same_device(dev, key=key, value=value, slot_mapping=slot_mapping)
+    _check_cache_storage(kv_cache)
+    kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
+    torch.ops.tq_torch.store_kv(key, value, kv_cache, slot_mapping, p.name, kp.rotation, kp.midpoints)
+    return kv_cache
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, preset, scale=None,
+                    sliding_window=None, logits_soft_cap=None, sinks=None, rotation=None, codebook=None,
+                    path: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a varlen query batch over the paged, quantised cache (DESIGN.md section 3).
+
+    Args:
+      query: ``[T, Hq, D]`` float16/bfloat16/float32; sequence ``b`` owns rows
+        ``[query_start_loc[b], query_start_loc[b+1])``, its last ``q_len`` tokens.
+      kv_cache: ``uint8[N, P, Hkv, slot_bytes]``; ``Hq % Hkv == 0``.
+      block_table: int32 ``[B, max_blocks]``; seq_lens: int32 ``[B]``;
+        query_start_loc: int32 ``[B + 1]`` (starts at 0, ends at T,
+        non-decreasing, ``q_len <= seq_len``; not checked on device).
+      scale: logit scale, default ``1/sqrt(D)``.
+      sliding_window: None or ``W >= 1`` (key ``j`` visible iff ``pos - W < j <= pos``).
+      logits_soft_cap: None or ``cap > 0``.
+      sinks: None or float32 ``[Hq]``.
+      rotation, codebook: mse presets only (see `tq_spec.quant_params`).
+      path: "auto" or a name in `tq_spec.dispatch.PATHS` ("decode", "extend").
+      out: optional ``[T, Hq, D]`` tensor of the query's dtype to write into.
+
+    Returns:
+      ``[T, Hq, D]`` in the query dtype (``out`` if given).
+    """
+    return _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset,
+                            scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                            sinks=sinks, rotation=rotation, codebook=codebook, path=path, out=out,
+                            num_splits=0)
+
+
+def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale,
+                     sliding_window, logits_soft_cap, sinks, rotation, codebook, path, out,
+                     num_splits: int):
+    """`paged_attention` with the decode split count forceable (0 = automatic), for tests."""
+    p = tq_spec.get_preset(preset)
+    for name, x in (("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        _expect_tensor(name, x)
+    if sinks is not None:
+        _expect_tensor("sinks", sinks)
+    lay = validation.check_paged_attention(
+        query, kv_cache, block_table, seq_lens, query_start_loc, preset=p, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if not isinstance(path, str):
+        raise TypeError(f"path: expected a str ('auto' or a path name), got {type(path).__name__}")
+    dev = kv_cache.device
+    config.check_device(dev)
+    _check_same_device(dev, query=query, block_table=block_table, seq_lens=seq_lens,
+                       query_start_loc=query_start_loc, sinks=sinks, out=out)
+    _check_cache_storage(kv_cache)
+    t, hq, d = query.shape
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        _expect_tensor("out", out)
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError(
+                f"out: expected {query.dtype}{list(query.shape)} (the query's), got {out.dtype}{list(out.shape)}")
+        if out.stride(-1) != 1:
+            raise ValueError(f"out: expected a contiguous last dim (stride 1), got strides {out.stride()}")
+    problem = dispatch.DispatchProblem(
+        num_tokens=t, num_seqs=block_table.shape[0], num_q_heads=hq, num_kv_heads=kv_cache.shape[2],
+        head_dim=d, block_size=kv_cache.shape[1], preset=p.name, sliding_window=sliding_window)
+    chosen = dispatch.select_path(problem, path)
+    kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
+    torch.ops.tq_torch.paged_attention(
+        query, kv_cache, block_table, seq_lens, query_start_loc, out,
+        None if sinks is None else sinks.contiguous(), kp.rotation, kp.centroids, p.name,
+        float(1.0 / math.sqrt(d) if scale is None else scale),
+        int(sliding_window or 0), float(logits_soft_cap or 0.0), chosen, int(num_splits))
+    return out

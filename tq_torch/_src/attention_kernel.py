@@ -1,0 +1,131 @@
+"""The one attention kernel both paths launch: a tile of query rows x all (or one
+split of) its visible keys.
+
+Grid ``(T // BLOCK_Q + B, Hkv, num_splits)``. Sequence ``b`` owns tile ids
+``[qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1)``, enough for
+``ceil(q_len / BLOCK_Q)`` tiles; a program finds its sequence by binary search
+and exits if its tile is past the sequence's queries. The grid depends only on
+static shapes (no host sync; CUDA-graph safe).
+
+A tile packs ``BLOCK_Q = BLOCK_M // G`` query tokens x the ``G`` query heads of
+one kv head into its rows (row ``r``: token ``r // G``, head ``r % G``), so
+every K/V element is dequantised once per tile and serves the whole GQA group
+through ``tl.dot``. Only keys in ``[window start of the first row, position of
+the last row]`` are visited: tiles before the window or past ``seq_lens`` are
+skipped, and pages the sequence does not own are never read.
+
+``SPLIT_KV`` (decode path): the tile's key range is cut into ``num_splits``
+equal BLOCK_N-aligned chunks, split ``s`` takes chunk ``s`` and writes
+unnormalised partials (``acc``, ``m``, ``l``, log2 domain) for the merge
+kernel; chunks past the end are empty and write ``m = -inf, l = 0, acc = 0``.
+Otherwise (extend path) the tile normalises, adds sinks and writes the output.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attend import LOG2E, attend_key_range, load_query_rows
+from .tl_math import to_dtype_rne
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    cache_u8, cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cn, stride_cp, stride_ch,
+    page_size, sm_scale, softcap, window, num_seqs, group, block_q, num_q_heads, num_splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    KEY_FORMAT: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_BITS: tl.constexpr,
+    VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT_KV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    # Largest sequence b with first_tile(b) = qsl[b] // block_q + b <= pid.
+    # (`pid * 0 + ...` keeps both bounds int32 tensors even when Triton
+    # specialises num_seqs == 1 into a constant.)
+    lo = pid * 0
+    hi = pid * 0 + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        take = tl.load(qsl_ptr + mid) // block_q + mid <= pid
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tok0 = (pid - (q_start // block_q + seq)) * block_q
+    if tok0 < q_len:
+        d = tl.arange(0, D_PAD)
+        r = tl.arange(0, BLOCK_M)
+        tok = tok0 + r // group
+        row_valid = (r // group < block_q) & (tok < q_len)
+        head = kv_head * group + r % group
+        pos = seq_len - q_len + tok
+        # Keys any row of this tile may see: [k_lo, k_hi).
+        k_hi = seq_len - q_len + tl.minimum(tok0 + block_q, q_len)
+        k_lo = tl.where(window > 0, tl.maximum(seq_len - q_len + tok0 - window + 1, 0), 0)
+        if SPLIT_KV:
+            chunk = tl.cdiv(tl.cdiv(tl.maximum(k_hi - k_lo, 0), num_splits), BLOCK_N) * BLOCK_N
+            k_lo = k_lo + split * chunk
+            k_hi = tl.minimum(k_hi, k_lo + chunk)
+        q = load_query_rows(q_ptr, q_start + tok, head, row_valid, stride_qt, stride_qh, d,
+                            D, DOT_DTYPE, INTERPRET)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = attend_key_range(
+            q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi,
+            bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_u8, cache_i16, cb_ptr,
+            stride_cn, stride_cp, stride_ch, page_size, sm_scale, softcap, window,
+            BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_BITS, NORM_CORRECTION, KEY_NORM_OFF,
+            VALUE_FORMAT, VALUE_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
+            DOT_DTYPE, INTERPRET,
+        )
+        t_idx = (q_start + tok).to(tl.int64)
+        dmask = row_valid[:, None] & (d < D)[None, :]
+        if SPLIT_KV:
+            part = (t_idx * num_q_heads + head) * num_splits + split
+            tl.store(part_m_ptr + part, m_i, mask=row_valid)
+            tl.store(part_l_ptr + part, l_i, mask=row_valid)
+            tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=dmask)
+        else:
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * LOG2E
+                m_fin = tl.maximum(m_i, sink)
+                rescale = tl.exp2(m_i - m_fin)  # m_i = -inf (no key seen) -> 0
+                l_i = l_i * rescale + tl.exp2(sink - m_fin)
+                acc = acc * rescale[:, None]
+            denom = tl.zeros_like(acc) + l_i[:, None]
+            o = tl.where(denom > 0.0, tl.math.div_rn(acc, tl.where(denom > 0.0, denom, 1.0)), 0.0)
+            optrs = out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(optrs, to_dtype_rne(o, OUT_DTYPE, INTERPRET), mask=dmask)
+
+
+def launch_tiles(q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
+                 query_start_loc, sinks, *, num_splits: int, split_kv: bool, fmt: dict, sm_scale: float,
+                 softcap: float, window: int, block_m: int, block_n: int, d_pad: int, dot_dtype, out_dtype,
+                 interpret: bool, num_warps: int) -> None:
+    """Launches `paged_attention_kernel` over every (tile, kv head, split)."""
+    t, hq, _ = q.shape
+    num_seqs = block_table.shape[0]
+    hkv = kv_cache.shape[2]
+    g = hq // hkv
+    block_m = max(block_m, 1 << (g - 1).bit_length())
+    block_q = max(1, block_m // g)
+    grid = (t // block_q + num_seqs, hkv, num_splits)
+    paged_attention_kernel[grid](
+        q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
+        query_start_loc, sinks if sinks is not None else q,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.shape[1], sm_scale, softcap, window, num_seqs, g, block_q, hq, num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=sinks is not None, SPLIT_KV=split_kv,
+        DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, INTERPRET=interpret, num_warps=num_warps, **fmt,
+    )

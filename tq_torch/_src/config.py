@@ -1,0 +1,137 @@
+"""Launch-time facts shared by the launchers: interpreter detection, block sizes, layout codes."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+import tq_spec
+
+# Integer codes the kernels branch on (constexpr), derived from tq_spec presets.
+KEY_RAW, KEY_FP8, KEY_MSE = 0, 1, 2
+VALUE_RAW, VALUE_UNIFORM = 0, 1
+_KEY_CODES = {"raw": KEY_RAW, "fp8": KEY_FP8, "mse": KEY_MSE}
+_VALUE_CODES = {"raw": VALUE_RAW, "uniform": VALUE_UNIFORM}
+
+TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# `triton.jit` returns an InterpretedFunction when TRITON_INTERPRET=1 was set
+# before this module was imported; that, not the current environment, decides
+# how every kernel of this package runs.
+KERNELS_INTERPRETED: bool = type(_probe).__name__ == "InterpretedFunction"
+
+
+def interpreted(device: torch.device) -> bool:
+    """True when the Triton kernels run in the interpreter (the CPU CI).
+
+    The interpreter has known numeric bugs (bf16 rounding and dots, fp8 carry);
+    kernels take this flag as a constexpr and route around them.
+    """
+    return KERNELS_INTERPRETED
+
+
+def check_device(device: torch.device) -> None:
+    """Raises NotImplementedError when no backend can run kernels on `device`."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and KERNELS_INTERPRETED:
+        return
+    hint = " (set TRITON_INTERPRET=1 before importing tq_torch to run on CPU)" if device.type == "cpu" else ""
+    raise NotImplementedError(f"kv_cache: tq_torch kernels run on CUDA devices, got device {device}{hint}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Register-tile width for a head: next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, next_pow2(head_dim))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached; no sync)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def format_constexprs(layout: tq_spec.Layout) -> dict:
+    """The slot format as kernel constexprs: field kinds, bit widths and byte offsets."""
+    p = layout.preset
+    raw_dtype = {"bfloat16": tl.bfloat16, "float16": tl.float16, None: tl.float16}[p.raw_dtype]
+    return dict(
+        D=layout.head_dim,
+        KEY_FORMAT=_KEY_CODES[p.key_format],
+        KEY_BITS=p.key_bits,
+        NORM_CORRECTION=bool(p.norm_correction),
+        KEY_NORM_OFF=layout.key_norm_offset if layout.key_norm_offset is not None else 0,
+        VALUE_FORMAT=_VALUE_CODES[p.value_format],
+        VALUE_BITS=p.value_bits,
+        VALUE_OFF=layout.value_offset,
+        VALUE_SCALE_OFF=layout.value_scale_offset if layout.value_scale_offset is not None else 0,
+        VALUE_ZERO_OFF=layout.value_zero_offset if layout.value_zero_offset is not None else 0,
+        RAW_DTYPE=raw_dtype,
+    )
+
+
+# --------------------------------------------------------------------------- tiles
+
+# The interpreter runs every program in numpy: small tiles keep CPU tests fast
+# and still exercise multi-tile loops, partial tiles and page crossings.
+_INTERPRET_BLOCK_N = 16
+_INTERPRET_EXTEND_BLOCK_M = 16
+# Cap on the decode path's split partials (bytes), relevant only when the
+# decode path is forced on a large prefill.
+_PARTIALS_BUDGET = 256 << 20
+_MAX_SPLITS = 64
+
+
+def attention_tiles(d_pad: int, interpret: bool) -> dict:
+    """Key-tile width, extend row-tile height and warps for a padded head dim."""
+    if interpret:
+        return dict(block_n=_INTERPRET_BLOCK_N, extend_block_m=_INTERPRET_EXTEND_BLOCK_M, num_warps=4)
+    if d_pad <= 128:
+        return dict(block_n=64, extend_block_m=64, num_warps=4)
+    if d_pad <= 256:
+        return dict(block_n=32, extend_block_m=64, num_warps=8)
+    return dict(block_n=16, extend_block_m=32, num_warps=8)
+
+
+def decode_block_m(group_size: int) -> int:
+    """Rows of a decode tile: the whole GQA group, padded to a power of two >= 16 (tl.dot)."""
+    return max(16, next_pow2(group_size))
+
+
+def decode_num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int,
+                      head_dim: int, max_context: int, block_n: int, device: torch.device,
+                      interpret: bool) -> int:
+    """Splits of the decode path, from static shapes only (CUDA-graph safe).
+
+    Enough (seq, kv head, split) programs to fill the GPU about twice, no more
+    splits than key tiles a sequence can have, and partial buffers kept under
+    a fixed budget.
+    """
+    max_tiles = max(1, -(-max_context // block_n))
+    if interpret:
+        want = 4  # exercises the merge, including empty splits on short sequences
+    else:
+        programs = max(1, num_seqs * num_kv_heads)
+        want = -(-2 * sm_count(device) // programs)
+    splits = max(1, min(want, max_tiles, _MAX_SPLITS))
+    per_split = max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
+    while splits > 1 and splits * per_split > _PARTIALS_BUDGET:
+        splits //= 2
+    return splits
