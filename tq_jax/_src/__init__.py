@@ -1,0 +1,1 @@
+"""Internals of tq_jax: Pallas kernels (Triton lowering) and their wrappers."""

@@ -1,0 +1,200 @@
+"""`paged_attention`: validation, path dispatch (tq_spec's table), and the jitted launch.
+
+Static arguments (part of the compilation key): preset, scale, sliding_window,
+logits_soft_cap, path, whether sinks are given, and every shape/dtype. The
+arrays (query, cache, block_table, seq_lens, query_start_loc, sinks, rotation)
+are dynamic. Nothing reads device data on the host, so the op works under
+`jax.jit` and recompiles only when a static argument or a shape changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import tq_spec
+from tq_spec.dispatch import DispatchProblem, select_path
+
+from . import kernel_math as km
+from .cache_access import CacheWords, WordFields, needs_word_view, to_word_view
+from .decode import DecodeConfig, decode_partials, merge_partials
+from .extend import ExtendConfig, extend_attention
+from .kv_tiles import TileSpec
+from .params import resolve
+from .platform import interpret_default
+
+# Decode programs to aim for (about two per SM of an H100/H200); the split
+# count is derived from it and the static shapes, never from data.
+_TARGET_DECODE_PROGRAMS = 264
+_MAX_SPLITS = 32
+# Cap on the decode path's float32 partial buffers: a forced decode path on a
+# long prefill (q_len >> 1) gets fewer splits rather than gigabytes of partials.
+_MAX_PARTIAL_BYTES = 256 * 2**20
+
+
+def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale=None,
+                    sliding_window=None, logits_soft_cap=None, sinks=None, rotation=None, codebook=None,
+                    path="auto"):
+    """Paged attention over the (quantized) cache, DESIGN.md section 3.
+
+    Args:
+      query: ``[T, Hq, D]`` float16/bfloat16/float32; sequence ``b`` owns rows
+        ``[query_start_loc[b], query_start_loc[b+1])``, its last ``q_len`` tokens.
+      kv_cache: ``uint8[N, P, Hkv, slot_bytes]``, written by `store_kv`.
+      block_table: ``int32[B, max_blocks]``; seq_lens ``int32[B]``;
+        query_start_loc ``int32[B + 1]`` (0, non-decreasing, ends at T).
+      preset: preset name or `tq_spec.Preset` (static).
+      scale: logit scale (static), default ``1/sqrt(D)``.
+      sliding_window: None or ``W >= 1`` (static): query at position ``i`` sees
+        keys ``i - W < j <= i``.
+      logits_soft_cap: None or ``cap > 0`` (static): ``cap * tanh(s / cap)``
+        on scaled logits, before masking.
+      sinks: None or float32 ``[Hq]``: per-head logits added to the softmax
+        denominator only.
+      rotation, codebook: mse presets only; see `tq_spec.quant_params`.
+      path: ``"auto"``, ``"decode"`` or ``"extend"`` (static; tq_spec.dispatch).
+
+    Returns:
+      ``[T, Hq, D]`` in the query dtype; rows with no visible key are zeros.
+      Dots take operands in the query dtype (float32 queries: IEEE fp32) and
+      accumulate in float32.
+
+    Raises:
+      ValueError/TypeError for malformed arguments (tq_spec.validation),
+      NotImplementedError for a forced path that cannot run the problem.
+    """
+    lay = tq_spec.validation.check_paged_attention(
+        query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+    )
+    t, hq, d = (int(s) for s in query.shape)
+    n, bs, hkv, _ = (int(s) for s in kv_cache.shape)
+    problem = DispatchProblem(
+        num_tokens=t, num_seqs=int(block_table.shape[0]), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+        block_size=bs, preset=lay.preset, sliding_window=sliding_window,
+    )
+    chosen = select_path(problem, path)
+    kp = resolve(lay.preset, d, rotation, codebook)
+    return _paged_attention(
+        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, kp.rotation, kp.centroids,
+        preset_name=lay.preset.name, scale=float(1.0 / math.sqrt(d) if scale is None else scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        path=chosen, num_splits=None, interpret=None,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("preset_name", "scale", "sliding_window", "logits_soft_cap", "path", "num_splits",
+                     "interpret", "word_view", "poison"),
+)
+def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
+                     preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret,
+                     word_view=None, poison=False):
+    return paged_attention_call(
+        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
+        preset_name=preset_name, scale=scale, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, interpret=interpret,
+        word_view=word_view, poison=poison,
+    )
+
+
+def attention_compute_dtype(query_dtype) -> str:
+    """Dtype of the attention dot operands for a query dtype (name or dtype).
+
+    The query's own dtype: ``"bfloat16"``/``"float16"`` (tensor-core dots with
+    float32 accumulation) or ``"float32"`` (IEEE fp32 dots, never TF32). This
+    is the ``compute_dtype`` to give `parity.tolerances.check_attention`.
+    """
+    return jnp.dtype(query_dtype).name
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int,
+                       partial_bytes_per_split: int) -> int:
+    """Static split count for the decode path: enough programs to fill the GPU.
+
+    At most one split per key tile of the longest possible context, at most
+    `_MAX_SPLITS`, and few enough that the partials stay under `_MAX_PARTIAL_BYTES`.
+    """
+    tiles = max(1, km.cdiv(max_context, block_n))
+    want = km.cdiv(_TARGET_DECODE_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    fits = max(1, _MAX_PARTIAL_BYTES // max(1, partial_bytes_per_split))
+    return int(max(1, min(want, tiles, _MAX_SPLITS, fits)))
+
+
+def tile_spec(lay, cache_shape, *, word_view: bool, interpret: bool) -> TileSpec:
+    """Tile geometry shared by both paths: padded head dim and keys per tile."""
+    d = lay.head_dim
+    dp = max(32, km.next_pow2(d))
+    # Keep a K or V tile plus the accumulator within a few thousand elements.
+    block_n = 32 if dp <= 128 else 16
+    return TileSpec(
+        lay=lay, fields=WordFields.of(lay), access=CacheWords(word_view),
+        block_size=int(cache_shape[1]), block_n=block_n, head_dim_padded=dp, ptx_div=not interpret,
+    )
+
+
+def _num_warps(rows: int, dp: int) -> int:
+    return 8 if rows * dp >= 16384 else 4
+
+
+def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
+                         *, preset_name: str, scale: float, sliding_window, logits_soft_cap, path: str,
+                         num_splits: int | None, interpret: bool | None, word_view: bool | None = None,
+                         poison: bool = False):
+    """The launch without validation (traced inside `_paged_attention`).
+
+    `num_splits` None picks the decode split count from the shapes; `word_view`
+    None picks the cache view from its size (tests force both); `poison`
+    makes the kernels write into NaN-filled buffers (tests).
+    """
+    t, hq, d = query.shape
+    if t == 0:
+        return jnp.zeros(query.shape, query.dtype)
+    if interpret is None:
+        interpret = interpret_default()
+    hkv = kv_cache.shape[2]
+    group = hq // hkv
+    lay = tq_spec.layout(preset_name, d)
+    cdt = attention_compute_dtype(query.dtype)
+    if rotation is not None:
+        # Rotate once per query (y = Pi @ q), in IEEE fp32; score in rotated space.
+        q = jnp.einsum("thd,rd->thr", query.astype(jnp.float32), rotation,
+                       precision=lax.Precision.HIGHEST)
+    else:
+        q = query
+    if word_view is None:
+        word_view = needs_word_view(kv_cache.shape)
+    cache = to_word_view(kv_cache) if word_view else kv_cache
+
+    if path == "decode":
+        rows = max(16, km.next_pow2(group))
+        spec = tile_spec(lay, kv_cache.shape, word_view=word_view, interpret=interpret)
+        ns = num_splits or default_num_splits(
+            block_table.shape[0], hkv, block_table.shape[1] * kv_cache.shape[1], spec.block_n,
+            partial_bytes_per_split=t * hkv * rows * (spec.head_dim_padded + 2) * 4)
+        cfg = DecodeConfig(
+            tiles=spec, num_q_heads=hq, group=group, group_rows=rows, num_splits=int(ns), scale=scale,
+            window=sliding_window, soft_cap=logits_soft_cap, compute_dtype=cdt,
+            num_warps=_num_warps(rows, spec.head_dim_padded),
+        )
+        acc, m, l = decode_partials(cfg, q, cache, block_table, seq_lens, query_start_loc, centroids,
+                                    interpret=interpret, poison=poison)
+        return merge_partials(acc, m, l, group=group, head_dim=d, sinks=sinks, out_dtype=query.dtype)
+    if path == "extend":
+        gp = km.next_pow2(group)
+        block_q = max(1, 32 // gp)
+        spec = tile_spec(lay, kv_cache.shape, word_view=word_view, interpret=interpret)
+        cfg = ExtendConfig(
+            tiles=spec, num_q_heads=hq, group=group, group_pow2=gp, block_q=block_q, scale=scale,
+            window=sliding_window, soft_cap=logits_soft_cap, compute_dtype=cdt,
+            num_warps=_num_warps(block_q * gp, spec.head_dim_padded),
+        )
+        return extend_attention(cfg, q, cache, block_table, seq_lens, query_start_loc, centroids, sinks,
+                                out_dtype=query.dtype, interpret=interpret, poison=poison)
+    raise ValueError(f"path: expected 'decode' or 'extend' after dispatch, got {path!r}")

@@ -1,0 +1,121 @@
+"""How kernels address the paged cache: 16-bit words over a uint8 or uint16 view.
+
+Every field of a slot starts at an even byte and is a whole number of 16-bit
+little-endian words (slot_bytes is even; code streams of 3/4/8-bit elements
+at the supported head dims are multiples of 2 bytes; fp16 fields are words), so
+the kernels read and write words only.
+
+Why two views: the Pallas Triton lowering addresses an array with 32-bit
+element offsets whenever the array holds at most 2**32 bytes, and Triton's
+pointer arithmetic sign-extends 32-bit offsets, so byte offsets in
+[2**31, 2**32) of a uint8 array would wrap. For caches in that size range the
+wrapper hands the kernel a uint16 view (element offsets < 2**31); below it
+(32-bit offsets are exact) and above it (the lowering switches to 64-bit
+offsets) the kernel reads the uint8 cache directly, which costs no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as pltriton
+
+from tq_spec import Layout
+
+_I32_SAFE_BYTES = 2**31
+_I64_OFFSET_BYTES = 2**32  # the lowering uses 64-bit offsets above this size
+
+
+def needs_word_view(cache_shape) -> bool:
+    """True if a uint8 cache of this shape must be passed as uint16 words."""
+    n = 1
+    for s in cache_shape:
+        n *= int(s)
+    return _I32_SAFE_BYTES <= n <= _I64_OFFSET_BYTES
+
+
+def to_word_view(kv_cache):
+    """uint8 ``[N, P, Hkv, S]`` -> uint16 ``[N, P, Hkv, S // 2]`` (little-endian pairs)."""
+    n, p, h, s = kv_cache.shape
+    return lax.bitcast_convert_type(kv_cache.reshape(n, p, h, s // 2, 2), jnp.uint16)
+
+
+def from_word_view(words):
+    """Inverse of `to_word_view`."""
+    n, p, h, w = words.shape
+    return lax.bitcast_convert_type(words, jnp.uint8).reshape(n, p, h, 2 * w)
+
+
+@dataclass(frozen=True)
+class WordFields:
+    """Word offsets (16-bit units from the slot start) of the fields of a layout."""
+
+    key: int
+    key_words: int
+    key_norm: int | None
+    value: int
+    value_words: int
+    value_scale: int | None
+    value_zero: int | None
+    slot_words: int
+
+    @staticmethod
+    def of(lay: Layout) -> "WordFields":
+        def half(x):
+            if x is None:
+                return None
+            if x % 2:
+                raise NotImplementedError(
+                    f"preset {lay.preset.name!r} at head_dim {lay.head_dim}: field at odd byte {x}; "
+                    "tq_jax kernels address 16-bit words"
+                )
+            return x // 2
+
+        return WordFields(
+            key=half(lay.key_offset), key_words=half(lay.key_bytes), key_norm=half(lay.key_norm_offset),
+            value=half(lay.value_offset), value_words=half(lay.value_bytes),
+            value_scale=half(lay.value_scale_offset), value_zero=half(lay.value_zero_offset),
+            slot_words=half(lay.slot_bytes),
+        )
+
+
+@dataclass(frozen=True)
+class CacheWords:
+    """Word loads/stores on the cache ref, whichever view the kernel received.
+
+    ``word_view``: the ref is uint16 ``[N, P, Hkv, S/2]``; else uint8 ``[N, P, Hkv, S]``.
+    Index arguments broadcast against each other (scalars or int32 arrays).
+    """
+
+    word_view: bool
+
+    def load(self, ref, blk, off, head, word):
+        """int32 words (0..65535) at word index `word` of slot (blk, off, head)."""
+        if self.word_view:
+            return ref[blk, off, head, word].astype(jnp.int32)
+        lo = ref[blk, off, head, 2 * word].astype(jnp.int32)
+        hi = ref[blk, off, head, 2 * word + 1].astype(jnp.int32)
+        return lo | (hi << 8)
+
+    def store(self, ref, blk, off, head, word, value, mask=None):
+        """Writes int32 words (low 16 bits) at `word`; lanes with mask False write nothing.
+
+        Lanes must address distinct words: interpret mode implements a masked
+        store as read-modify-write of every lane, so two lanes on one address
+        would race; distinct addresses make masked lanes rewrite what is there.
+        """
+        value = value.astype(jnp.int32)
+        if self.word_view:
+            _store(ref, (blk, off, head, word), (value & 0xFFFF).astype(jnp.uint16), mask)
+            return
+        _store(ref, (blk, off, head, 2 * word), (value & 0xFF).astype(jnp.uint8), mask)
+        _store(ref, (blk, off, head, 2 * word + 1), ((value >> 8) & 0xFF).astype(jnp.uint8), mask)
+
+
+def _store(ref, idx, value, mask):
+    if mask is None:
+        ref[idx] = value
+    else:
+        pltriton.store(ref.at[idx], value, mask=mask)

@@ -1,0 +1,190 @@
+"""Element-wise helpers used inside Pallas kernels (and valid in plain jnp).
+
+Everything here is written with operations the Pallas Triton lowering accepts:
+integer shifts with clamped, in-range amounts, same-width bitcasts, `jnp.where`
+selects (never multiplication by a 0/1 mask, which turns NaN garbage into NaN
+results), iotas instead of captured array constants, and reshapes only.
+The small-float codecs are exact integer recipes, so interpret mode (XLA CPU)
+and the GPU produce the same bits, and neither depends on how a backend casts
+to fp8 (the Triton interpreter, torch and ml_dtypes disagree on overflow and
+carries; see DESIGN.md section 7).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as pltriton
+
+FP8_MAX = 448.0
+_FP8_MIN_NORMAL = 2.0**-6
+# f32 exponent bias (127) minus fp8 e4m3 bias (7), in the position of the
+# combined (exponent << 3 | mantissa) fp8 field.
+_FP8_REBIAS = (127 - 7) << 3
+
+
+def fp8_e4m3fn_encode(x):
+    """float32 -> int32 fp8 e4m3fn bit patterns (0..255), like `tq_spec.fp8_e4m3fn_encode`.
+
+    Rounds to nearest even, saturates to +-448, keeps NaN as NaN (0x7F with the
+    sign bit of the input). Exact for every float32 input.
+    """
+    x = x.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    sign = lax.shift_right_logical(bits, 31)
+    is_nan = x != x
+    mag = jnp.minimum(jnp.abs(jnp.where(is_nan, 0.0, x)), FP8_MAX)
+    mbits = lax.bitcast_convert_type(mag, jnp.int32)
+    # Normal range: keep exponent and the top 3 mantissa bits, round the other
+    # 20 bits half to even; a carry runs into the exponent, as it should.
+    top = lax.shift_right_logical(mbits, 20)
+    rest = mbits & 0xFFFFF
+    half = 0x80000
+    round_up = (rest > half) | ((rest == half) & ((top & 1) == 1))
+    normal = top - _FP8_REBIAS + round_up.astype(jnp.int32)
+    # Subnormal range: multiples of 2**-9 (the scaling by 512 is exact).
+    y = mag * 512.0
+    r = jnp.floor(y)
+    frac = y - r
+    ri = r.astype(jnp.int32)
+    sub_up = (frac > 0.5) | ((frac == 0.5) & ((ri & 1) == 1))
+    subnormal = ri + sub_up.astype(jnp.int32)
+    code = jnp.where(mag >= _FP8_MIN_NORMAL, normal, subnormal)
+    code = jnp.where(is_nan, 0x7F, code)
+    return code | (sign << 7)
+
+
+def fp8_e4m3fn_decode(code):
+    """int32 fp8 e4m3fn bit patterns (0..255) -> float32 (NaN for 0x7F/0xFF)."""
+    code = code.astype(jnp.int32)
+    e = lax.shift_right_logical(code, 3) & 0xF
+    m = code & 0x7
+    # Normal: (1 + m/8) * 2**(e-7) built directly as float32 bits.
+    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+    subnormal = m.astype(jnp.float32) * (2.0**-9)
+    mag = jnp.where(e == 0, subnormal, normal)
+    mag = jnp.where((code & 0x7F) == 0x7F, jnp.nan, mag)
+    return jnp.where((code & 0x80) != 0, -mag, mag)
+
+
+def half_bits_to_f32(word, dtype_name: str = "float16"):
+    """int32/uint16 16-bit patterns -> float32, reading them as fp16 or bf16."""
+    dtype = jnp.float16 if dtype_name == "float16" else jnp.bfloat16
+    return lax.bitcast_convert_type(word.astype(jnp.uint16), dtype).astype(jnp.float32)
+
+
+def f32_to_half_bits(x, dtype_name: str = "float16"):
+    """float32 -> int32 holding the fp16/bf16 bit pattern (round to nearest even).
+
+    Integer recipes instead of a float cast: on the GPU, Triton's packed
+    f32 -> bf16 conversion feeding a bitcast gave wrong low bytes (seen on an
+    H200 with jax 0.11.2), and the integer form is exact on every backend.
+    NaN stays a quiet NaN (with the input's sign); overflow goes to +-inf.
+    """
+    x = x.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    sign = lax.shift_right_logical(bits, 16) & 0x8000
+    mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000
+    if dtype_name == "bfloat16":
+        lsb = lax.shift_right_logical(mag, 16) & 1
+        half = lax.shift_right_logical(mag + 0x7FFF + lsb, 16)
+        half = jnp.where(is_nan, lax.shift_right_logical(mag, 16) | 0x40, half)
+        return sign | half
+    # fp16: rebias the exponent (127 -> 15), keep 10 mantissa bits, round the other 13.
+    exp = lax.shift_right_logical(mag, 23) - 112
+    top = (exp << 10) | (lax.shift_right_logical(mag, 13) & 0x3FF)
+    rest = mag & 0x1FFF
+    up = (rest > 0x1000) | ((rest == 0x1000) & ((top & 1) == 1))
+    normal = jnp.minimum(top + up.astype(jnp.int32), 0x7C00)  # a carry into exponent 31 is inf
+    # Subnormal fp16 (|x| < 2**-14): multiples of 2**-24; the scaling by 2**24 is exact.
+    y = jnp.abs(x) * 16777216.0
+    r = jnp.floor(y)
+    frac = y - r
+    ri = r.astype(jnp.int32)
+    sub = ri + ((frac > 0.5) | ((frac == 0.5) & ((ri & 1) == 1))).astype(jnp.int32)
+    half = jnp.where(exp >= 1, normal, sub)
+    half = jnp.where(exp >= 31, 0x7C00, half)
+    half = jnp.where(is_nan, 0x7E00, half)
+    return sign | half
+
+
+def unpack_codes(lo_word, hi_word, element, bits: int):
+    """Codes of an LSB-first `bits`-bit stream from the 16-bit words that hold them.
+
+    Args:
+      lo_word: int32 word holding bit ``element*bits`` (word ``element*bits // 16``).
+      hi_word: the next word (read only for widths that may straddle words), or None.
+      element: int32 element indices (same shape).
+    """
+    shift = (element * bits) & 15
+    word = lo_word
+    if hi_word is not None:
+        word = word | (hi_word << 16)
+    return lax.shift_right_logical(word, shift) & ((1 << bits) - 1)
+
+
+def codes_straddle_words(bits: int) -> bool:
+    """Whether a `bits`-bit code can span two 16-bit words."""
+    return 16 % bits != 0
+
+
+def pack_code_groups(codes, bits: int):
+    """Packs codes into 16-bit words, groups of 16 codes -> `bits` words.
+
+    Args:
+      codes: int32 ``[n]`` with ``n`` a multiple of 16, values in ``[0, 2**bits)``.
+
+    Returns:
+      a list of `bits` int32 arrays ``[n // 16]``: entry ``j`` holds word ``j``
+      of every group, i.e. stream word ``g * bits + j`` for group ``g``.
+    """
+    n = codes.shape[0]
+    groups = codes.reshape(n // 16, 16)
+    lane = lax.broadcasted_iota(jnp.int32, (1, 16), 1)
+    words = []
+    for j in range(bits):
+        # Bit position of each code relative to the start of word j.
+        shift = lane * bits - 16 * j
+        left = jnp.clip(shift, 0, 15)
+        right = jnp.clip(-shift, 0, 15)
+        overlaps = (shift < 16) & (shift > -bits)
+        part = (lax.shift_left(lax.shift_right_logical(groups, right), left)) & 0xFFFF
+        words.append(jnp.sum(jnp.where(overlaps, part, 0), axis=1))
+    return words
+
+
+def ieee_div(a, b, *, use_ptx: bool):
+    """Correctly rounded float32 ``a / b`` on every backend.
+
+    Triton lowers float32 division to PTX ``div.full.f32`` (up to 2 ulp off);
+    with ``use_ptx`` (kernels lowered for a GPU) the quotient comes from
+    ``div.rn.f32`` instead, the IEEE division that interpret mode (XLA CPU)
+    and numpy perform. Keeps store codes/fp16 fields equal to the reference
+    away from bucket boundaries and the fp32 attention output tight.
+    Scalars and arrays alike; the two operands broadcast.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    if not use_ptx:
+        return a / b
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    vec = shape if shape else (1,)
+    a = jnp.broadcast_to(a, vec)
+    b = jnp.broadcast_to(b, vec)
+    [q] = pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(vec, jnp.float32)],
+    )
+    return q if shape else q.reshape(())
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a, b):
+    """Ceiling division for Python ints and int32 arrays alike."""
+    return (a + b - 1) // b
