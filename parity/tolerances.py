@@ -216,9 +216,11 @@ class AttentionComparison:
         return self.nonfinite == 0 and self.max_err <= self.bound
 
     def describe(self) -> str:
-        status = "ok" if self.ok else "FAIL"
+        status, rel = ("ok", "<=") if self.max_err <= self.bound else ("FAIL", ">")
+        if self.nonfinite:
+            status = "FAIL"
         extra = f"; {self.nonfinite} non-finite outputs" if self.nonfinite else ""
-        return (f"attention {status}: max_err {self.max_err:.3e} <= bound {self.bound:.3e} "
+        return (f"attention {status}: max_err {self.max_err:.3e} {rel} bound {self.bound:.3e} "
                 f"(emulated {self.emulated_err:.3e}); worst {self.worst}{extra}")
 
 
@@ -295,5 +297,5 @@ def check_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc
     if ref.size == 0:
         return AttentionComparison(0.0, bound, 0.0, "empty", 0)
     i = np.unravel_index(int(np.argmax(err)), err.shape)
-    worst = f"[t={i[0]}, h={i[1]}, d={i[2]}]: got {got[i]!r}, reference {ref[i]!r}"
+    worst = f"[t={i[0]}, h={i[1]}, d={i[2]}]: got {float(got[i]):.7g}, reference {float(ref[i]):.7g}"
     return AttentionComparison(float(err[i]), bound, emulated_err, worst, nonfinite)

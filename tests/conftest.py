@@ -22,6 +22,10 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# JAX and torch share the GPU in one test session: without this JAX would
+# preallocate most of the device memory at its first use.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 HAS_GPU = _cuda_available()
 
 if not HAS_GPU:
