@@ -1,0 +1,399 @@
+"""The parity catalog: regression classes from real bugs plus random sweeps.
+
+Every entry is a declarative `Sweep` (fixed fields + axes, sampled by seed
+where marked). ``quick`` shapes are tiny (CPU interpreters, a few minutes on
+2 cores); ``full`` shapes are realistic (an H100 within minutes). Each
+regression group names the bug it guards against (`GROUP_NOTES`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+import tq_spec
+
+from .cases import DEFAULT_CHECKS, Case, LayerSpec, ModelCase, matches
+from .sweeps import MODES, Sweep, expand_all
+
+QUANTIZED = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+ALL_PRESETS = tuple(tq_spec.PRESET_NAMES)
+MSE_PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+CHUNK_SIZES = (1, 7, 16, 128)
+# Quick mode runs the kernels in interpreters, where a store of many tokens
+# and every new shape (a JAX compile) cost seconds: cases whose point is the
+# attention path run only the attention comparisons there; store, e2e and
+# interchange are covered by the cases that keep the default checks.
+ATTENTION_ONLY = ("attention", "paths", "cross")
+
+GROUP_NOTES = {
+    "flashinfer-short": "FlashInfer fmha_v2 Q_PAGED_KV fell back to a non-paged kernel when max kv length < 16 "
+                        "(GQA 14/2, D=64, page 16, seq 9, q_len 8 prefix-cached)",
+    "window-paths": "sliding window dropped on one path: windows on decode, extend and continuation, <= and > 128",
+    "model-gemma": "mixed-layer model (Gemma-like: 5 sliding D=256 + 1 global D=512, bf16 boundary layers, "
+                   "KV-shared layers): each layer must get its own window, soft cap and preset",
+    "very-negative": "finite -5e4 mask sentinel loses to very negative logits; rows with no visible key -> zeros",
+    "tile-padding": "padding lanes entering the softmax when length % tile != 0 (and head dims padded to pow2)",
+    "gqa": "GQA groups enumerated only {1,2,3,4,8}: ratios 1, 3, 5, 7, 16, 20, 32",
+    "far-pages": "32-bit page offsets wrapped: every used page beyond byte 2**31 (GPU only, cache > 2 GiB)",
+    "softcap-mask": "soft cap applied after masking (masked -inf becomes -cap and leaks)",
+    "poison": "NaN/Inf in unused pages, out-of-window slots and pages past seq_len (0 * NaN)",
+    "empty-splits": "empty split-KV partitions merged as garbage (short sequences next to long ones)",
+    "window-edge": "window off-by-one between conventions: W and W +- 1 at the boundary, page edges",
+    "bit-widths": "kernels hard-coded to one bit width: every preset at every head dim",
+    "page-sizes": "non-power-of-two page sizes (1, 3, 48 from LCM page unification)",
+    "chunking": "one prefill == the same tokens stored and attended in chunks of 1, 7, 16, 128",
+    "params-as-data": "rotation and codebook passed as data (randomized Hadamard, exact Lloyd-Max)",
+    "dtypes": "float16 / float32 queries and int32 slot mappings",
+    "random": "random sweep: presets x head dims x pages x GQA x windows x soft cap x sinks x batch mixes",
+}
+
+
+def _cycle(values, n):
+    return [values[i % len(values)] for i in range(n)]
+
+
+def _head_dim_ok(fields: dict) -> bool:
+    try:
+        tq_spec.layout(fields["preset"], fields["head_dim"])
+    except ValueError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------- regressions
+
+
+def _flashinfer_short() -> list[Sweep]:
+    seq_lens = (1, 5, 9, 15, 16, 17, 25, 33)
+    base = dict(head_dim=64, num_q_heads=14, num_kv_heads=2, block_size=16)
+    quick_rows = [((s, min(8, s)),) for s in seq_lens]
+    return [
+        # The exact bug (seq 9, q_len 8, prefix-cached).
+        Sweep("flashinfer-short", dict(base, seqs=((9, 8),)), {"preset": ("turboquant_4bit_nc",)},
+              modes=("quick",)),
+        # Every length in one varlen batch (the fallback looked at the batch's max kv length).
+        Sweep("flashinfer-short", dict(base, seqs=tuple((s, min(8, s)) for s in seq_lens)),
+              {"preset": ("turboquant_k8v4",)}, modes=("quick",)),
+        # Full: the exact bug on every preset; every length alone (q_len 8 and decode, presets
+        # cycled so each length meets several formats) and batched.
+        Sweep("flashinfer-short", dict(base, seqs=((9, 8),)), {"preset": ALL_PRESETS}, modes=("full",)),
+        Sweep("flashinfer-short", base,
+              {("seqs", "preset"): list(zip(quick_rows, _cycle(ALL_PRESETS, 8)))
+               + list(zip([((s, 1),) for s in seq_lens], _cycle(ALL_PRESETS[3:] + ALL_PRESETS[:3], 8)))},
+              modes=("full",)),
+        Sweep("flashinfer-short", base, {("seqs", "preset"): [
+            (tuple((s, min(8, s)) for s in seq_lens), "turboquant_k8v4"),
+            (tuple((s, min(8, s)) for s in seq_lens), "turboquant_3bit_nc"),
+            (tuple((s, 1) for s in seq_lens), "turboquant_4bit_nc"),
+            (tuple((s, 1) for s in seq_lens), "bf16")]}, modes=("full",)),
+    ]
+
+
+def _window_paths() -> list[Sweep]:
+    quick = [
+        # (seqs, window, preset, checks)
+        (((150, 1),), 129, "turboquant_4bit_nc", ATTENTION_ONLY),  # decode, W > 128
+        (((20, 20),), 7, "turboquant_k3v4_nc", ATTENTION_ONLY),    # extend (prefill), W <= 128
+        (((140, 3),), 128, "turboquant_3bit_nc", ATTENTION_ONLY),  # continuation, W <= 128 (edge)
+        (((40, 6),), 9, "bf16", ATTENTION_ONLY),                   # continuation, W <= 128
+    ]
+    full_windows = (64, 128, 129, 200)
+    full_mixes = (((600, 1), (300, 1)), ((300, 300),), ((700, 40), (260, 33)))
+    return [
+        Sweep("window-paths", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16),
+              {("seqs", "sliding_window", "preset", "checks"): quick}, modes=("quick",)),
+        Sweep("window-paths", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16),
+              {"seqs": full_mixes, "sliding_window": full_windows, "preset": ALL_PRESETS},
+              sample=12, modes=("full",)),
+    ]
+
+
+def _model_gemma(mode: str) -> ModelCase:
+    quick = mode == "quick"
+    ws, wb = (5, 7) if quick else (512, 384)
+    hs, hg = (4, 2) if quick else (8, 4)  # query heads; kv heads are hs // 2 and 1
+    slide = lambda name, preset, w, cap=None: LayerSpec(name, preset, 256, hs, hs // 2, w, cap)  # noqa: E731
+    layers = (
+        slide("L0", "bf16", ws),                          # boundary layer, unquantized
+        slide("L1", "turboquant_k3v4_nc", ws),
+        slide("L2", "turboquant_k3v4_nc", wb, 30.0),      # same shapes as L1, other window + soft cap
+        slide("L3", "turboquant_4bit_nc", ws),
+        slide("L4", "turboquant_k8v4", ws),
+        LayerSpec("L5", "turboquant_4bit_nc", 512, hg, 1, None),   # global layer
+        LayerSpec("L6", "turboquant_k3v4_nc", 256, hs, hs // 2, ws + 2, None, reads_cache_of="L1"),
+        LayerSpec("L7", "turboquant_4bit_nc", 512, hg, 1, None, 50.0, reads_cache_of="L5"),
+        LayerSpec("L8", "bf16", 512, hg, 1, None),       # boundary layer, global, unquantized
+    )
+    if quick:  # interpreters: drop the second shared layer and the last boundary layer
+        layers = layers[:7]
+    seqs = ((13, 1), (9, 4), (6, 6)) if quick else ((900, 1), (400, 48), (160, 160))
+    return ModelCase("model-gemma", f"gemma-like-{len(layers)}L", layers, block_size=16, seqs=seqs)
+
+
+def _very_negative() -> list[Sweep]:
+    seqs_q = ((12, 1), (0, 0), (7, 7), (9, 0))
+    seqs_f = ((300, 1), (0, 0), (100, 100), (50, 0), (200, 17))
+    base = dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, data="very-negative",
+                checks=("store", "attention", "paths", "cross", "interchange"))
+    return [
+        Sweep("very-negative", dict(base, seqs=seqs_q), {"preset": ("turboquant_3bit_nc",)},
+              modes=("quick",)),
+        Sweep("very-negative", dict(base, seqs=seqs_f),
+              {("preset", "sliding_window"): list(zip(ALL_PRESETS, _cycle((None, 33), 6)))}, modes=("full",)),
+    ]
+
+
+def _tile_padding() -> list[Sweep]:
+    quick = [
+        ("turboquant_k8v4", 40, 16, ((23, 13), (17, 1))),
+        ("fp16", 96, 48, ((50, 17),)),
+    ]
+    full_dims = (40, 72, 96, 136, 200, 264, 392)
+    return [
+        Sweep("tile-padding", dict(num_q_heads=6, num_kv_heads=2),
+              {("preset", "head_dim", "block_size", "seqs"): quick}, modes=("quick",)),
+        Sweep("tile-padding", dict(num_q_heads=6, num_kv_heads=2, block_size=16,
+                                   seqs=((257, 33), (129, 1), (47, 47))),
+              {("preset", "head_dim"): list(zip(_cycle(("turboquant_k8v4", "bf16", "fp16"), 7), full_dims))},
+              modes=("full",)),
+        Sweep("tile-padding", dict(num_q_heads=6, num_kv_heads=2, block_size=48, head_dim=128),
+              {"preset": QUANTIZED, "seqs": (((1025, 1), (513, 65), (31, 31)),)}, modes=("full",)),
+    ]
+
+
+def _gqa() -> list[Sweep]:
+    ratios = (1, 3, 5, 7, 16, 20, 32)
+    return [
+        # Two kv heads, so a wrong head -> kv head mapping changes the answer.
+        Sweep("gqa", dict(head_dim=64, num_kv_heads=2, block_size=16, seqs=((10, 1), (7, 3)), checks=ATTENTION_ONLY),
+              {("num_q_heads", "preset"): [(6, "turboquant_k8v4"), (14, "turboquant_4bit_nc"),
+                                           (40, "turboquant_3bit_nc"), (64, "bf16")]},
+              modes=("quick",)),
+        Sweep("gqa", dict(head_dim=128, block_size=16, seqs=((700, 1), (200, 31), (64, 64))),
+              {("num_q_heads_ratio", "preset"): list(zip(ratios, _cycle(ALL_PRESETS, 7))), "num_kv_heads": (2, 4)},
+              derive=lambda f, rng: {**{k: v for k, v in f.items() if k != "num_q_heads_ratio"},
+                                     "num_q_heads": f["num_q_heads_ratio"] * f["num_kv_heads"]},
+              modes=("full",)),
+    ]
+
+
+def _far_pages() -> list[Sweep]:
+    return [Sweep("far-pages", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, far_pages=True,
+                                    gpu_only=True, seqs=((40, 1), (33, 5), (17, 17)), sliding_window=None),
+                  {"preset": ("turboquant_k8v4", "turboquant_4bit_nc", "bf16")},
+                  )]
+
+
+def _softcap_mask() -> list[Sweep]:
+    return [
+        Sweep("softcap-mask", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, data="sharp",
+                                   seqs=((20, 6), (9, 1))),
+              {("preset", "logits_soft_cap", "sliding_window"): [("turboquant_k8v4", 5.0, 4)]}, modes=("quick",)),
+        Sweep("softcap-mask", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, data="sharp",
+                                   seqs=((400, 20), (90, 1), (60, 60))),
+              {"preset": ALL_PRESETS, "logits_soft_cap": (5.0, 30.0, 50.0), "sliding_window": (None, 37)},
+              sample=9, modes=("full",)),
+    ]
+
+
+def _poison() -> list[Sweep]:
+    return [
+        Sweep("poison", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=8, sliding_window=5,
+                             seqs=((30, 2), (11, 1), (8, 0))),
+              {("preset", "poison"): [("turboquant_4bit_nc", "inf16"), ("bf16", "inf-bf16")]}, modes=("quick",)),
+        Sweep("poison", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, sliding_window=100,
+                             seqs=((900, 3), (130, 1), (64, 0), (250, 250))),
+              {("preset", "poison"): list(zip(ALL_PRESETS, _cycle(("nan", "inf16", "inf-bf16"), 6)))},
+              modes=("full",)),
+    ]
+
+
+def _empty_splits() -> list[Sweep]:
+    return [
+        Sweep("empty-splits", dict(head_dim=64, num_q_heads=8, num_kv_heads=2, block_size=16,
+                                   seqs=((1, 1), (2, 1), (3, 1), (130, 1)), checks=ATTENTION_ONLY),
+              {"preset": ("turboquant_k3v4_nc",)}, modes=("quick",)),
+        Sweep("empty-splits", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
+                                   seqs=((1, 1), (2, 1), (3, 1), (17, 1), (5000, 1))),
+              {("preset", "sliding_window"): list(zip(ALL_PRESETS, _cycle((None, 2), 6)))}, modes=("full",)),
+    ]
+
+
+def _window_edge() -> list[Sweep]:
+    quick_seqs = ((15, 1), (16, 2), (17, 1), (18, 3), (33, 5))
+    full_seqs = ((127, 1), (128, 2), (129, 1), (130, 3), (257, 64), (64, 64))
+    return [
+        Sweep("window-edge", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, seqs=quick_seqs,
+                                  checks=ATTENTION_ONLY),
+              {("sliding_window", "preset"): [(1, "turboquant_k8v4"), (16, "turboquant_3bit_nc")]}, modes=("quick",)),
+        Sweep("window-edge", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, seqs=full_seqs),
+              {("sliding_window", "preset"): list(zip((1, 15, 16, 17, 63, 64, 65, 127, 128, 129),
+                                                      _cycle(ALL_PRESETS, 10)))},
+              modes=("full",)),
+    ]
+
+
+def _bit_widths() -> list[Sweep]:
+    return [
+        # Quick: every preset once (each bit width), head dims 64..512 spread over them.
+        Sweep("bit-widths", dict(num_q_heads=4, num_kv_heads=2, block_size=16, seqs=((19, 1), (11, 5))),
+              {("preset", "head_dim"): [("turboquant_k8v4", 128), ("turboquant_4bit_nc", 128),
+                                        ("turboquant_k3v4_nc", 256), ("turboquant_3bit_nc", 64),
+                                        ("bf16", 512), ("fp16", 64)]}, modes=("quick",)),
+        Sweep("bit-widths", dict(num_q_heads=8, num_kv_heads=2, block_size=16,
+                                 seqs=((1000, 1), (300, 40), (100, 100))),
+              {"preset": ALL_PRESETS, "head_dim": (64, 128, 256, 512)}, where=_head_dim_ok, modes=("full",)),
+    ]
+
+
+def _page_sizes() -> list[Sweep]:
+    return [
+        Sweep("page-sizes", dict(head_dim=64, num_q_heads=4, num_kv_heads=2),
+              {("block_size", "seqs", "preset", "checks"): [
+                  (1, ((9, 3), (5, 1)), "turboquant_4bit_nc", DEFAULT_CHECKS),
+                  (3, ((10, 4), (7, 1)), "turboquant_k8v4", ATTENTION_ONLY),
+                  (48, ((50, 2),), "turboquant_k3v4_nc", ATTENTION_ONLY)]},
+              modes=("quick",)),
+        Sweep("page-sizes", dict(head_dim=128, num_q_heads=8, num_kv_heads=2,
+                                 seqs=((500, 1), (97, 33), (49, 49))),
+              {("block_size", "preset"): list(zip((1, 3, 16, 48, 128) * 2, _cycle(ALL_PRESETS, 10)))},
+              modes=("full",)),
+    ]
+
+
+def _chunking() -> list[Sweep]:
+    checks = ("chunking",)
+    return [
+        Sweep("chunking", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, checks=checks,
+                               chunks=CHUNK_SIZES),
+              {("preset", "seqs", "sliding_window"): [("turboquant_4bit_nc", ((20, 16), (9, 4)), 6)]},
+              modes=("quick",)),
+        Sweep("chunking", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, checks=checks,
+                               chunks=CHUNK_SIZES),
+              {("preset", "seqs", "sliding_window"): [
+                  ("turboquant_k8v4", ((300, 300),), None),
+                  ("turboquant_3bit_nc", ((300, 300),), None),
+                  ("turboquant_4bit_nc", ((400, 290), (150, 37)), 100),
+                  ("bf16", ((400, 290), (150, 37)), 100)]},
+              modes=("full",)),
+    ]
+
+
+def _params_as_data() -> list[Sweep]:
+    return [
+        Sweep("params-as-data", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16,
+                                     seqs=((21, 1), (12, 6))),
+              {("preset", "rotation", "codebook"): [("turboquant_4bit_nc", "randomized_hadamard", "vllm"),
+                                                    ("turboquant_3bit_nc", "hadamard", "exact")]},
+              modes=("quick",)),
+        Sweep("params-as-data", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
+                                     seqs=((800, 1), (200, 50))),
+              {("preset", "rotation", "codebook"): [
+                  ("turboquant_4bit_nc", "randomized_hadamard", "vllm"),
+                  ("turboquant_k3v4_nc", "randomized_hadamard", "vllm"),
+                  ("turboquant_3bit_nc", "hadamard", "exact"),
+                  ("turboquant_4bit_nc", "hadamard", "exact"),
+                  ("turboquant_k3v4_nc", "randomized_hadamard", "exact")]},
+              modes=("full",)),
+    ]
+
+
+def _dtypes() -> list[Sweep]:
+    return [
+        Sweep("dtypes", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, seqs=((14, 1), (9, 5))),
+              {("preset", "dtype", "slot_dtype"): [("turboquant_k8v4", "float16", "int32"),
+                                                   ("turboquant_k3v4_nc", "float32", "int64")]},
+              modes=("quick",)),
+        Sweep("dtypes", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
+                             seqs=((600, 1), (100, 100))),
+              {("preset", "dtype"): list(zip(ALL_PRESETS, _cycle(("float16", "float32"), 6))),
+               "slot_dtype": ("int32",)},
+              modes=("full",)),
+    ]
+
+
+# -------------------------------------------------------------------------- random sweep
+
+
+def _mix_seqs(mix: str, rng: np.random.Generator, max_len: int, max_seqs: int) -> tuple:
+    def length():
+        return int(rng.integers(1, max_len + 1))
+
+    n = int(rng.integers(1, max_seqs + 1))
+    if mix == "decode":
+        return tuple((length(), 1) for _ in range(n))
+    if mix == "prefill":
+        return tuple((s, s) for s in (min(length(), max_len // 2 + 1) for _ in range(n)))
+    if mix == "prefix-cached":
+        out = []
+        for _ in range(n):
+            s = max(3, length())
+            out.append((s, int(rng.integers(2, s))))
+        return tuple(out)
+    # mixed: one of each, in random order
+    parts = [_mix_seqs(m, rng, max_len, 1)[0] for m in ("decode", "prefill", "prefix-cached")]
+    return tuple(parts[i] for i in rng.permutation(3))
+
+
+def _random(mode: str) -> Sweep:
+    quick = mode == "quick"
+    max_len, max_seqs = (40, 3) if quick else (1200, 5)
+
+    def derive(f, rng):
+        f = dict(f)
+        f["seqs"] = _mix_seqs(f.pop("mix"), rng, max_len, max_seqs)
+        f["num_q_heads"] = f.pop("gqa") * f["num_kv_heads"]
+        if f["logits_soft_cap"] is not None:
+            f["data"] = "sharp"
+        return f
+
+    return Sweep(
+        "random",
+        dict(),
+        {
+            "preset": ALL_PRESETS,
+            "head_dim": (64, 128, 256) if quick else (64, 96, 128, 256, 512),
+            "block_size": (1, 16, 48) if quick else (1, 16, 32, 48, 128),
+            "gqa": (1, 2, 3, 7) if quick else (1, 2, 4, 6, 7, 8),
+            "num_kv_heads": (1, 2) if quick else (1, 2, 4),
+            "sliding_window": (None, 4, 16) if quick else (None, 1, 64, 256, 1024),
+            "logits_soft_cap": (None, 20.0),
+            "sinks": (False, True),
+            "dtype": ("bfloat16", "float16", "float32"),
+            "mix": ("decode", "prefill", "mixed", "prefix-cached"),
+        },
+        sample=3 if quick else 20,
+        where=_head_dim_ok,
+        derive=derive,
+        modes=(mode,),
+    )
+
+
+# ----------------------------------------------------------------------------- catalog
+
+
+def sweeps(mode: str) -> list:
+    """Every sweep (and model case) of `mode`, in catalog order."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    return [
+        *_flashinfer_short(), *_window_paths(), *_very_negative(), *_tile_padding(), *_gqa(), *_far_pages(),
+        *_softcap_mask(), *_poison(), *_empty_splits(), *_window_edge(), *_bit_widths(), *_page_sizes(),
+        *_chunking(), *_params_as_data(), *_dtypes(), _random(mode),
+    ]
+
+
+def build_catalog(mode: str, seed: int = 0) -> list[Case]:
+    """All cases of `mode` for `seed` (ids unique, order stable)."""
+    cases = expand_all(sweeps(mode), mode, seed)
+    model = _model_gemma(mode)
+    if all(c.id != model.id for c in cases):
+        cases.insert(len([c for c in cases if c.group in ("flashinfer-short", "window-paths")]), model)
+    return cases
+
+
+def select(cases: Sequence[Case], patterns) -> list[Case]:
+    """Cases whose id contains, or whose tags include, any of `patterns` (all if none)."""
+    return [c for c in cases if matches(c, patterns)]

@@ -1,0 +1,109 @@
+"""``python -m parity``: run the parity catalog through every available leg."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import signal
+import sys
+import time
+
+from . import environment
+
+
+def _split(values) -> list[str]:
+    out = []
+    for v in values or ():
+        out += [p.strip() for p in v.split(",") if p.strip()]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m parity",
+        description="Cross-check the tq_torch (Triton) and tq_jax (Pallas) kernels against each other and "
+                    "against the tq_spec float64 reference on a catalog of cases.",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="small shapes (default without a GPU; kernels run in interpreters)")
+    size.add_argument("--full", action="store_true", help="the whole catalog at realistic sizes (default on a GPU)")
+    p.add_argument("--legs", default="reference,torch,jax",
+                   help="comma-separated legs to run (reference, torch, jax); default: all three. "
+                        "Self-test legs: numpy (the reference behind the kernel interface) and "
+                        "broken-<kind> (deliberately wrong; must fail)")
+    p.add_argument("--filter", action="append", metavar="PATTERN",
+                   help="keep cases whose id contains PATTERN or that carry tag PATTERN "
+                        "(repeatable, comma-separated; any match keeps the case)")
+    p.add_argument("--list", action="store_true", help="list the selected cases with their tags and exit")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sweeps' sampling and of all data (default 0)")
+    p.add_argument("--report", metavar="DIR", help="write DIR/parity.json and DIR/parity.md")
+    p.add_argument("--fail-fast", action="store_true", help="stop after the first case with a failure")
+    p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    has_gpu = environment.configure()  # before anything imports triton or jax
+    mode = "quick" if args.quick else "full" if args.full else ("full" if has_gpu else "quick")
+
+    from .catalog import build_catalog, select
+    from .legs import LEG_NAMES, SELF_TEST_LEGS, load_leg
+
+    legs = _split([args.legs])
+    known = LEG_NAMES + SELF_TEST_LEGS
+    unknown = [n for n in legs if n not in known]
+    if unknown or not legs:
+        print(f"parity: --legs: expected some of {', '.join(LEG_NAMES)} (self-test legs: "
+              f"{', '.join(SELF_TEST_LEGS)}), got {args.legs!r}", file=sys.stderr)
+        return 2
+    legs = [n for n in known if n in legs]  # canonical order, no duplicates
+    patterns = _split(args.filter)
+    cases = select(build_catalog(mode, args.seed), patterns)
+
+    if args.list:
+        for c in cases:
+            print(f"{c.id}  [{', '.join(sorted(c.all_tags))}]")
+        print(f"{len(cases)} case(s) in the {mode} catalog (seed {args.seed})")
+        return 0
+    if not cases:
+        print(f"parity: no case of the {mode} catalog matches --filter {patterns}", file=sys.stderr)
+        return 2
+
+    from .progress import Progress
+    from .report import console_report, write_reports
+    from .runner import Options, Runner
+
+    loaded = [load_leg(n) for n in legs]
+    legs_text = [leg.describe() for leg in loaded]
+    print(f"parity: {mode} catalog, {len(cases)} case(s), seed {args.seed}, legs {','.join(legs)}", file=sys.stderr)
+    for t in legs_text:
+        print(f"  {t}", file=sys.stderr)
+    progress = Progress(enabled=not args.no_progress)
+    options = Options(mode=mode, seed=args.seed, fail_fast=args.fail_fast, has_gpu=has_gpu)
+    runner = Runner(loaded, options, on_case=progress)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _terminate)  # `timeout` and CI cancels: keep partial results
+    try:
+        records = runner.run(cases)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    seconds = time.perf_counter() - t0
+    print(console_report(records, legs_text, interrupted=runner.interrupted))
+    if args.report:
+        meta = {"mode": mode, "seed": args.seed, "legs": legs, "filter": patterns, "started": started,
+                "seconds": round(seconds, 1), "legs_text": legs_text, "versions": environment.versions(),
+                "argv": sys.argv if argv is None else ["python", "-m", "parity", *argv]}
+        if runner.interrupted:
+            meta["interrupted"] = runner.interrupted
+        paths = write_reports(args.report, records, meta=meta, cases=cases)
+        print(f"reports: {', '.join(paths)}", file=sys.stderr)
+    if any(r.status == "failed" for r in records):
+        return 1
+    return 130 if runner.interrupted else 0
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt

@@ -1,0 +1,82 @@
+"""The JAX/Pallas leg (`tq_jax`): GPU arrays on CUDA, interpret-mode Pallas on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import OPS, Leg, Unavailable, missing_ops
+
+
+class JaxLeg(Leg):
+    """Drives `tq_jax.store_kv` / `tq_jax.paged_attention` (which return new arrays)."""
+
+    name = "jax"
+
+    def __init__(self, module, ops):
+        import jax
+
+        self._jax = jax
+        self._mod = module
+        self._ops = tuple(ops)
+        self.backend = jax.default_backend()
+        self.interpreted = self.backend == "cpu"
+
+    @property
+    def ops(self):
+        return self._ops
+
+    def compute_dtype(self, query_dtype: str):
+        fn = getattr(self._mod, "attention_compute_dtype", None)
+        if callable(fn):
+            return fn(query_dtype)
+        return getattr(self._mod, "ATTENTION_COMPUTE_DTYPE", None)
+
+    def describe(self) -> str:
+        import jaxlib
+
+        mode = "Pallas interpret mode" if self.interpreted else "Pallas Triton lowering"
+        return (f"jax: tq_jax on jax {self._jax.__version__}, jaxlib {jaxlib.__version__}, "
+                f"backend {self.backend} ({mode})")
+
+    def put(self, array):
+        a = np.array(array, copy=True)
+        if a.dtype == np.int64 and not self._jax.config.jax_enable_x64:
+            # Without x64 JAX would narrow silently (with a warning); do it explicitly.
+            if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+                raise ValueError("jax leg: int64 data beyond int32 range needs jax_enable_x64")
+            a = a.astype(np.int32)
+        return self._jax.device_put(a)
+
+    def get(self, x):
+        return np.array(x, copy=True)
+
+    def store_kv(self, key, value, kv_cache, slot_mapping, *, preset, rotation=None, codebook=None):
+        out = self._mod.store_kv(key, value, kv_cache, slot_mapping, preset=preset,
+                                 rotation=rotation, codebook=codebook)
+        return self._jax.block_until_ready(out)
+
+    def paged_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, preset,
+                        scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                        rotation=None, codebook=None, path="auto"):
+        out = self._mod.paged_attention(
+            query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            rotation=rotation, codebook=codebook, path=path,
+        )
+        return self._jax.block_until_ready(out)
+
+
+def load():
+    """A `JaxLeg`, or `Unavailable` with the reason."""
+    try:
+        import jax  # noqa: F401
+    except Exception as e:
+        return Unavailable("jax", f"jax not importable: {type(e).__name__}: {e}")
+    try:
+        import tq_jax
+    except Exception as e:
+        return Unavailable("jax", f"tq_jax not importable: {type(e).__name__}: {e}")
+    missing = missing_ops(tq_jax)
+    if len(missing) == len(OPS):
+        return Unavailable("jax", "tq_jax provides none of " + ", ".join(OPS) + " (not built yet)")
+    return JaxLeg(tq_jax, [op for op in OPS if op not in missing])

@@ -1,0 +1,103 @@
+"""The PyTorch/Triton leg (`tq_torch`): CUDA tensors on a GPU, CPU tensors under the interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..environment import cuda_available, triton_interpreter_ready
+from .base import OPS, Leg, Unavailable, missing_ops
+
+_LOCAL_DTYPES = ("bfloat16",)  # numpy holds these via ml_dtypes; torch.from_numpy cannot
+
+
+class TorchLeg(Leg):
+    """Drives `tq_torch.store_kv` / `tq_torch.paged_attention`."""
+
+    name = "torch"
+
+    def __init__(self, module, ops):
+        import torch
+
+        self._torch = torch
+        self._mod = module
+        self._ops = tuple(ops)
+        self.device = torch.device("cuda" if cuda_available() else "cpu")
+        self.interpreted = self.device.type == "cpu"
+
+    @property
+    def ops(self):
+        return self._ops
+
+    def compute_dtype(self, query_dtype: str):
+        fn = getattr(self._mod, "attention_compute_dtype", None)
+        if callable(fn):
+            return fn(query_dtype)
+        return getattr(self._mod, "ATTENTION_COMPUTE_DTYPE", None)
+
+    def describe(self) -> str:
+        import triton
+
+        mode = "Triton interpreter (TRITON_INTERPRET=1)" if self.interpreted else "CUDA"
+        return f"torch: tq_torch on torch {self._torch.__version__}, triton {triton.__version__}, {self.device} ({mode})"
+
+    def put(self, array):
+        torch = self._torch
+        a = np.ascontiguousarray(array)
+        if str(a.dtype) == "bfloat16":
+            t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(a.copy())
+        return t.to(self.device)
+
+    def get(self, x):
+        torch = self._torch
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"torch leg: expected a torch.Tensor result, got {type(x).__name__}")
+        t = x.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().copy().view(ml_dtypes.bfloat16)
+        return t.numpy().copy()
+
+    def store_kv(self, key, value, kv_cache, slot_mapping, *, preset, rotation=None, codebook=None):
+        out = self._mod.store_kv(key, value, kv_cache, slot_mapping, preset=preset,
+                                 rotation=rotation, codebook=codebook)
+        # The contract: torch updates the cache in place (and may return it).
+        return kv_cache if out is None else out
+
+    def paged_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, preset,
+                        scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                        rotation=None, codebook=None, path="auto"):
+        return self._mod.paged_attention(
+            query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            rotation=rotation, codebook=codebook, path=path,
+        )
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            self._torch.cuda.synchronize()
+
+
+def load():
+    """A `TorchLeg`, or `Unavailable` with the reason."""
+    try:
+        import torch  # noqa: F401
+    except Exception as e:  # pragma: no cover - torch is a dependency
+        return Unavailable("torch", f"torch not importable: {e}")
+    reason = triton_interpreter_ready()
+    if reason is not None:
+        return Unavailable("torch", reason)
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        return Unavailable("torch", f"triton not importable: {type(e).__name__}: {e}")
+    try:
+        import tq_torch
+    except Exception as e:
+        return Unavailable("torch", f"tq_torch not importable: {type(e).__name__}: {e}")
+    missing = missing_ops(tq_torch)
+    if len(missing) == len(OPS):
+        return Unavailable("torch", "tq_torch provides none of " + ", ".join(OPS) + " (not built yet)")
+    return TorchLeg(tq_torch, [op for op in OPS if op not in missing])

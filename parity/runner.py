@@ -1,0 +1,210 @@
+"""Runs cases through legs and collects `Record`s.
+
+For every case: build the problem once, compute the reference once, then run
+each requested comparison for each available leg (and each pair of kernel
+legs). Legs that cannot run here produce ``unavailable`` records for every
+comparison they would have taken part in, so a missing leg is visible in
+every summary line and never counts as passed.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+import tq_spec
+
+from . import checks, chunking, pair_checks
+from .case_run import CaseRun
+from .cases import AttentionCase, Case, ModelCase
+from .legs.base import Unavailable
+from .model_checks import check_model, layer_runs
+from .problem import build_problem
+from .records import FAILED, SKIPPED, UNAVAILABLE, Record
+
+# Which contract ops each comparison needs from a (single) leg.
+_NEEDS = {
+    "store": ("store_kv",),
+    "attention": ("paged_attention",),
+    "paths": ("paged_attention",),
+    "e2e": ("store_kv", "paged_attention"),
+    "chunking": ("store_kv", "paged_attention"),
+    "model": ("store_kv", "paged_attention"),
+}
+_ORACLE_CHECKS = ("e2e", "chunking")  # the reference compared with itself elsewhere is vacuous
+_PAIR_CHECKS = {  # check -> (op name in records, writer needs, reader needs)
+    "cross": (("cross", ("paged_attention",)), ("cross-store", ("store_kv",))),
+    "interchange": (("interchange", None),),
+}
+
+
+@dataclass
+class Options:
+    """How to run: catalog mode (for the repro line), seed, fail-fast, GPU presence."""
+
+    mode: str = "quick"
+    seed: int = 0
+    fail_fast: bool = False
+    has_gpu: bool = False
+    # False (default): "auto" runs, and stands in for the path it selects (that
+    # path is not forced a second time: same kernel, same inputs); every other
+    # eligible path is forced with path=. So every eligible path runs on every
+    # case, and the leg's own dispatch is exercised too. True also forces the
+    # selected path by name (one more compile per case on JAX).
+    force_auto_choice: bool = False
+
+
+def repro_line(mode: str, case_id: str, seed: int, legs: Sequence[str]) -> str:
+    """The one-line command that re-runs one case."""
+    return (f"python -m parity --{mode} --filter {shlex.quote(case_id)} --seed {seed} "
+            f"--legs {','.join(legs)}")
+
+
+class Runner:
+    """Runs cases through `legs` (loaded `Leg`s or `Unavailable`s)."""
+
+    def __init__(self, legs: Sequence, options: Options,
+                 on_case: Optional[Callable[[int, int, Case, list], None]] = None):
+        self.legs = list(legs)
+        self.options = options
+        self.on_case = on_case
+
+    @property
+    def kernel_legs(self) -> list:
+        return [leg for leg in self.legs if not leg.oracle]
+
+    def run(self, cases: Sequence[Case]) -> list[Record]:
+        """Runs `cases` in order. On KeyboardInterrupt (Ctrl-C, or SIGTERM mapped to it by the
+        CLI) stops after the records gathered so far and sets `interrupted`."""
+        out: list[Record] = []
+        self.interrupted = ""
+        try:
+            self._run(cases, out)
+        except KeyboardInterrupt:
+            done = len({r.case_id for r in out})
+            self.interrupted = f"interrupted: {done} of {len(cases)} case(s) ran; the rest did not"
+        return out
+
+    def _run(self, cases: Sequence[Case], out: list) -> None:
+        for i, case in enumerate(cases):
+            t0 = time.perf_counter()
+            recs = self.run_case(case)
+            out += recs
+            for r in recs:
+                if r.status == FAILED:
+                    r.repro = repro_line(self.options.mode, case.id, self.options.seed, r.legs or (r.leg,))
+            if self.on_case is not None:
+                self.on_case(i + 1, len(cases), case, recs, time.perf_counter() - t0)
+            if self.options.fail_fast and any(r.status == FAILED for r in recs):
+                break
+
+    def run_case(self, case: Case) -> list[Record]:
+        if case.gpu_only and not self.options.has_gpu:
+            reason = "gpu-only case (needs a CUDA device; e.g. a cache over 2 GiB): no GPU here"
+            return [Record(case.id, "case", leg.name, "-", getattr(case, "preset", "mixed"), SKIPPED, reason,
+                           legs=(leg.name,)) for leg in self.legs]
+        try:
+            with np.errstate(all="ignore"):
+                if isinstance(case, ModelCase):
+                    return self._run_model(case)
+                return self._run_attention(case)
+        except Exception as e:  # a harness bug must fail loudly, with the case id
+            return [Record(case.id, "case", "harness", "-", getattr(case, "preset", "mixed"), FAILED,
+                           f"harness error: {type(e).__name__}: {e}",
+                           metrics={"traceback": traceback.format_exc()[-3000:]},
+                           legs=tuple(leg.name for leg in self.legs))]
+
+    # -- availability -----------------------------------------------------------------
+
+    @staticmethod
+    def _lacks(leg, ops) -> Optional[str]:
+        if isinstance(leg, Unavailable):
+            return leg.reason
+        missing = [op for op in (ops or ()) if op not in leg.ops]
+        if missing:
+            return f"{leg.name} leg has no {', '.join(missing)}"
+        return None
+
+    def _unavailable(self, case_id, op, leg_name, path, preset, reason, legs) -> Record:
+        return Record(case_id, op, leg_name, path, preset, UNAVAILABLE, reason, legs=tuple(legs))
+
+    # -- attention cases ----------------------------------------------------------------
+
+    def _run_attention(self, case: AttentionCase) -> list[Record]:
+        run = CaseRun(build_problem(case, self.options.seed))
+        recs: list[Record] = []
+        for leg in self.legs:
+            for check in case.checks:
+                if check in _PAIR_CHECKS or check not in _NEEDS:
+                    continue
+                if leg.oracle and check not in _ORACLE_CHECKS:
+                    continue
+                reason = self._lacks(leg, _NEEDS[check])
+                if reason is not None:
+                    recs.append(self._unavailable(case.id, check, leg.name, "-", case.preset, reason, (leg.name,)))
+                    continue
+                if check == "store":
+                    recs += checks.check_store(run, leg)
+                elif check == "attention":
+                    recs += checks.check_attention(run, leg, self._paths(run, leg))
+                elif check == "paths":
+                    recs += checks.check_paths(run, leg)
+                elif check == "e2e":
+                    recs += checks.check_e2e(run, leg)
+                elif check == "chunking":
+                    recs += chunking.check_chunking(run, leg, case.chunks)
+        recs += self._pairs(case, run)
+        return recs
+
+    def _paths(self, run, leg) -> tuple[str, ...]:
+        paths = leg.paths(run.dispatch_problem())
+        if self.options.force_auto_choice or "auto" not in paths:
+            return paths
+        chosen = tq_spec.dispatch.select_path(run.dispatch_problem())
+        return tuple(p for p in paths if p != chosen)
+
+    def _pairs(self, case: AttentionCase, run) -> list[Record]:
+        recs: list[Record] = []
+        kernel = self.kernel_legs
+        for check in case.checks:
+            if check not in _PAIR_CHECKS:
+                continue
+            if check == "cross":
+                pairs = [(a, b) for i, a in enumerate(kernel) for b in kernel[i + 1:]]
+            else:
+                pairs = [(a, b) for a in kernel for b in kernel if a is not b]
+            for a, b in pairs:
+                for op, _ in _PAIR_CHECKS[check]:
+                    if op == "cross-store" and "store" not in case.checks:
+                        continue  # the case skips stores (quick mode economy)
+                    name = f"{a.name}->{b.name}" if check == "interchange" else f"{a.name}|{b.name}"
+                    need_a = ("store_kv",) if op in ("interchange", "cross-store") else ("paged_attention",)
+                    need_b = ("paged_attention",) if op in ("interchange", "cross") else ("store_kv",)
+                    reason = self._lacks(a, need_a) or self._lacks(b, need_b)
+                    if reason is not None:
+                        recs.append(self._unavailable(case.id, op, name, "-", case.preset, reason, (a.name, b.name)))
+                    elif op == "cross":
+                        recs += pair_checks.check_cross(run, a, b)
+                    elif op == "cross-store":
+                        recs += pair_checks.check_cross_store(run, a, b)
+                    else:
+                        recs += pair_checks.check_interchange(run, a, b)
+        return recs
+
+    # -- model cases ------------------------------------------------------------------------
+
+    def _run_model(self, case: ModelCase) -> list[Record]:
+        runs = layer_runs(case, self.options.seed)
+        recs: list[Record] = []
+        for leg in self.kernel_legs:
+            reason = self._lacks(leg, _NEEDS["model"])
+            if reason is not None:
+                recs.append(self._unavailable(case.id, "model", leg.name, "-", "mixed", reason, (leg.name,)))
+                continue
+            recs += check_model(case, runs, leg)
+        return recs

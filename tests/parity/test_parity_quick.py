@@ -1,0 +1,40 @@
+"""The parity catalog as a test: quick on every machine (CI: interpreters), full with ``-m gpu``.
+
+Equivalent to ``python -m parity --quick`` / ``--full`` with all three legs. A kernel leg that
+cannot be loaded fails these tests (with the reason): in this repository both kernel packages
+are part of the product, so "unavailable" here means broken, not optional.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parity import environment
+from parity.catalog import build_catalog
+from parity.legs import LEG_NAMES, Unavailable, load_leg
+from parity.records import FAILED, final_line
+from parity.report import failure_text, summary_table
+from parity.runner import Options, Runner
+
+
+def _run(mode: str):
+    has_gpu = environment.configure()
+    legs = [load_leg(n) for n in LEG_NAMES]
+    missing = [leg.describe() for leg in legs if isinstance(leg, Unavailable)]
+    assert not missing, "legs unavailable: " + "; ".join(missing)
+    runner = Runner(legs, Options(mode=mode, seed=0, has_gpu=has_gpu))
+    records = runner.run(build_catalog(mode, 0))
+    print(summary_table(records))
+    print(final_line(records))
+    failures = [r for r in records if r.status == FAILED]
+    assert not failures, "\n".join(failure_text(r) for r in failures)
+    assert any(r.status == "passed" for r in records)
+
+
+def test_parity_quick_catalog():
+    _run("quick")
+
+
+@pytest.mark.gpu
+def test_parity_full_catalog():
+    _run("full")
