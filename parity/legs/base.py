@@ -72,6 +72,25 @@ class Leg(ABC):
         """Waits for queued device work (so timings and errors land in the right record)."""
 
 
+class KernelModuleLeg(Leg):
+    """A leg backed by a kernel package (`tq_torch`, `tq_jax`) that provides `ops`."""
+
+    def __init__(self, module, ops):
+        self._mod = module
+        self._ops = tuple(ops)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return self._ops
+
+    def compute_dtype(self, query_dtype: str) -> Optional[str]:
+        """The package's own answer (``attention_compute_dtype``), else the query dtype."""
+        fn = getattr(self._mod, "attention_compute_dtype", None)
+        if callable(fn):
+            return fn(query_dtype)
+        return getattr(self._mod, "ATTENTION_COMPUTE_DTYPE", None)
+
+
 class Unavailable:
     """A leg that cannot run here; every record it would produce is ``unavailable``."""
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import OPS, Leg, Unavailable, missing_ops
+from .base import OPS, KernelModuleLeg, Unavailable, missing_ops
 
 
-class JaxLeg(Leg):
+class JaxLeg(KernelModuleLeg):
     """Drives `tq_jax.store_kv` / `tq_jax.paged_attention` (which return new arrays)."""
 
     name = "jax"
@@ -16,20 +16,9 @@ class JaxLeg(Leg):
         import jax
 
         self._jax = jax
-        self._mod = module
-        self._ops = tuple(ops)
+        super().__init__(module, ops)
         self.backend = jax.default_backend()
         self.interpreted = self.backend == "cpu"
-
-    @property
-    def ops(self):
-        return self._ops
-
-    def compute_dtype(self, query_dtype: str):
-        fn = getattr(self._mod, "attention_compute_dtype", None)
-        if callable(fn):
-            return fn(query_dtype)
-        return getattr(self._mod, "ATTENTION_COMPUTE_DTYPE", None)
 
     def describe(self) -> str:
         import jaxlib

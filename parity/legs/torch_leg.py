@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..environment import cuda_available, triton_interpreter_ready
-from .base import OPS, Leg, Unavailable, missing_ops
+from .base import OPS, KernelModuleLeg, Unavailable, missing_ops
 
 _LOCAL_DTYPES = ("bfloat16",)  # numpy holds these via ml_dtypes; torch.from_numpy cannot
 
 
-class TorchLeg(Leg):
+class TorchLeg(KernelModuleLeg):
     """Drives `tq_torch.store_kv` / `tq_torch.paged_attention`."""
 
     name = "torch"
@@ -19,20 +19,9 @@ class TorchLeg(Leg):
         import torch
 
         self._torch = torch
-        self._mod = module
-        self._ops = tuple(ops)
+        super().__init__(module, ops)
         self.device = torch.device("cuda" if cuda_available() else "cpu")
         self.interpreted = self.device.type == "cpu"
-
-    @property
-    def ops(self):
-        return self._ops
-
-    def compute_dtype(self, query_dtype: str):
-        fn = getattr(self._mod, "attention_compute_dtype", None)
-        if callable(fn):
-            return fn(query_dtype)
-        return getattr(self._mod, "ATTENTION_COMPUTE_DTYPE", None)
 
     def describe(self) -> str:
         import triton
