@@ -161,7 +161,7 @@ def _tile_padding() -> list[Sweep]:
               {("preset", "head_dim", "block_size", "seqs"): quick}, modes=("quick",)),
         Sweep("tile-padding", dict(num_q_heads=6, num_kv_heads=2, block_size=16,
                                    seqs=((257, 33), (129, 1), (47, 47))),
-              {("preset", "head_dim"): list(zip(_cycle(("turboquant_k8v4", "bf16", "fp16"), 5), full_dims[::2]))},
+              {("preset", "head_dim"): list(zip(_cycle(("turboquant_k8v4", "bf16", "fp16"), 7), full_dims))},
               modes=("full",)),
         Sweep("tile-padding", dict(num_q_heads=6, num_kv_heads=2, block_size=48, head_dim=128),
               {"preset": QUANTIZED, "seqs": (((1025, 1), (513, 65), (31, 31)),)}, modes=("full",)),
@@ -177,8 +177,7 @@ def _gqa() -> list[Sweep]:
                                            (40, "turboquant_3bit_nc"), (64, "bf16")]},
               modes=("quick",)),
         Sweep("gqa", dict(head_dim=128, block_size=16, seqs=((700, 1), (200, 31), (64, 64))),
-              {("num_q_heads_ratio", "preset", "num_kv_heads"): list(zip(ratios, _cycle(ALL_PRESETS, 7),
-                                                                          _cycle((2, 4), 7)))},
+              {("num_q_heads_ratio", "preset"): list(zip(ratios, _cycle(ALL_PRESETS, 7))), "num_kv_heads": (2, 4)},
               derive=lambda f, rng: {**{k: v for k, v in f.items() if k != "num_q_heads_ratio"},
                                      "num_q_heads": f["num_q_heads_ratio"] * f["num_kv_heads"]},
               modes=("full",)),
@@ -188,7 +187,7 @@ def _gqa() -> list[Sweep]:
 def _far_pages() -> list[Sweep]:
     return [Sweep("far-pages", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, far_pages=True,
                                     gpu_only=True, seqs=((40, 1), (33, 5), (17, 17)), sliding_window=None),
-                  {"preset": ("turboquant_k8v4", "turboquant_4bit_nc")},
+                  {"preset": ("turboquant_k8v4", "turboquant_4bit_nc", "bf16")},
                   )]
 
 
@@ -200,7 +199,7 @@ def _softcap_mask() -> list[Sweep]:
         Sweep("softcap-mask", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, data="sharp",
                                    seqs=((400, 20), (90, 1), (60, 60))),
               {"preset": ALL_PRESETS, "logits_soft_cap": (5.0, 30.0, 50.0), "sliding_window": (None, 37)},
-              sample=5, modes=("full",)),
+              sample=9, modes=("full",)),
     ]
 
 
@@ -250,10 +249,7 @@ def _bit_widths() -> list[Sweep]:
                                         ("bf16", 512), ("fp16", 64)]}, modes=("quick",)),
         Sweep("bit-widths", dict(num_q_heads=8, num_kv_heads=2, block_size=16,
                                  seqs=((1000, 1), (300, 40), (100, 100))),
-              {("preset", "head_dim"): [("turboquant_k8v4", 64), ("turboquant_4bit_nc", 512),
-                                        ("turboquant_k3v4_nc", 128), ("turboquant_3bit_nc", 256),
-                                        ("bf16", 128), ("fp16", 256), ("turboquant_4bit_nc", 64),
-                                        ("turboquant_k8v4", 512)]},
+              {"preset": ALL_PRESETS, "head_dim": (64, 128, 256, 512)},
               where=_head_dim_ok, modes=("full",)),
     ]
 
@@ -374,7 +370,7 @@ def _random(mode: str) -> Sweep:
             "dtype": ("bfloat16", "float16", "float32"),
             "mix": ("decode", "prefill", "mixed", "prefix-cached"),
         },
-        sample=3 if quick else 8,
+        sample=3 if quick else 20,
         where=_head_dim_ok,
         derive=derive,
         modes=(mode,),

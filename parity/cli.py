@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the sweeps' sampling and of all data (default 0)")
     p.add_argument("--report", metavar="DIR", help="write DIR/parity.json and DIR/parity.md")
     p.add_argument("--fail-fast", action="store_true", help="stop after the first case with a failure")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="worker processes running cases side by side (default: half the CPU cores, "
+                        "at most 8, on a GPU; at most 2 without one). Each worker compiles its own kernels")
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     return p
 
@@ -59,6 +62,9 @@ def main(argv=None) -> int:
               f"{', '.join(SELF_TEST_LEGS)}), got {args.legs!r}", file=sys.stderr)
         return 2
     legs = [n for n in known if n in legs]  # canonical order, no duplicates
+    if args.jobs is not None and args.jobs < 1:
+        print(f"parity: --jobs: expected a positive number of worker processes, got {args.jobs}", file=sys.stderr)
+        return 2
     patterns = _split(args.filter)
     cases = select(build_catalog(mode, args.seed), patterns)
 
@@ -73,7 +79,8 @@ def main(argv=None) -> int:
 
     from .progress import Progress
     from .report import console_report, write_reports
-    from .runner import Options, Runner
+    from .parallel import default_jobs, run_cases
+    from .runner import Options
 
     loaded = [load_leg(n) for n in legs]
     legs_text = [leg.describe() for leg in loaded]
@@ -82,27 +89,30 @@ def main(argv=None) -> int:
         print(f"  {t}", file=sys.stderr)
     progress = Progress(enabled=not args.no_progress)
     options = Options(mode=mode, seed=args.seed, fail_fast=args.fail_fast, has_gpu=has_gpu)
-    runner = Runner(loaded, options, on_case=progress)
+    jobs = min(args.jobs or default_jobs(has_gpu), len(cases))
+    if jobs > 1:
+        print(f"  {jobs} worker processes", file=sys.stderr)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, _terminate)  # `timeout` and CI cancels: keep partial results
     try:
-        records = runner.run(cases)
+        records, interrupted = run_cases(legs, options, cases, jobs, on_case=progress, legs=loaded)
     finally:
         signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - t0
-    print(console_report(records, legs_text, interrupted=runner.interrupted))
+    print(f"parity: {mode} catalog ran in {seconds:.0f}s wall time on {jobs} worker process(es)", file=sys.stderr)
+    print(console_report(records, legs_text, interrupted=interrupted))
     if args.report:
-        meta = {"mode": mode, "seed": args.seed, "legs": legs, "filter": patterns, "started": started,
+        meta = {"mode": mode, "seed": args.seed, "legs": legs, "jobs": jobs, "filter": patterns, "started": started,
                 "seconds": round(seconds, 1), "legs_text": legs_text, "versions": environment.versions(),
                 "argv": sys.argv if argv is None else ["python", "-m", "parity", *argv]}
-        if runner.interrupted:
-            meta["interrupted"] = runner.interrupted
+        if interrupted:
+            meta["interrupted"] = interrupted
         paths = write_reports(args.report, records, meta=meta, cases=cases)
         print(f"reports: {', '.join(paths)}", file=sys.stderr)
     if any(r.status == "failed" for r in records):
         return 1
-    return 130 if runner.interrupted else 0
+    return 130 if interrupted else 0
 
 
 def _terminate(signum, frame):

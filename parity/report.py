@@ -83,7 +83,8 @@ def console_report(records, legs_text, *, interrupted: str = "") -> str:
     out += ["", summary_table(records)]
     times = leg_seconds(records)
     if times:
-        out += ["", "time per leg: " + ", ".join(f"{leg} {sec:.1f}s" for leg, sec in times)]
+        # With worker processes these are sums over the workers, not wall time.
+        out += ["", "time per leg (summed over cases): " + ", ".join(f"{leg} {sec:.1f}s" for leg, sec in times)]
     un = unavailable_lines(records)
     if un:
         out += [""] + un

@@ -93,15 +93,20 @@ class Runner:
     def _run(self, cases: Sequence[Case], out: list) -> None:
         for i, case in enumerate(cases):
             t0 = time.perf_counter()
-            recs = self.run_case(case)
+            recs = self.run_one(case)
             out += recs
-            for r in recs:
-                if r.status == FAILED:
-                    r.repro = repro_line(self.options.mode, case.id, self.options.seed, r.legs or (r.leg,))
             if self.on_case is not None:
                 self.on_case(i + 1, len(cases), case, recs, time.perf_counter() - t0)
             if self.options.fail_fast and any(r.status == FAILED for r in recs):
                 break
+
+    def run_one(self, case: Case) -> list[Record]:
+        """`run_case`, with the repro line set on every failed record."""
+        recs = self.run_case(case)
+        for r in recs:
+            if r.status == FAILED:
+                r.repro = repro_line(self.options.mode, case.id, self.options.seed, r.legs or (r.leg,))
+        return recs
 
     def run_case(self, case: Case) -> list[Record]:
         if case.gpu_only and not self.options.has_gpu:

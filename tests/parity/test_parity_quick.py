@@ -1,6 +1,7 @@
 """The parity catalog as a test: quick on every machine (CI: interpreters), full with ``-m gpu``.
 
-Equivalent to ``python -m parity --quick`` / ``--full`` with all three legs. A kernel leg that
+Equivalent to ``python -m parity --quick`` / ``--full`` with all three legs (and, on a GPU, the
+same worker processes). A kernel leg that
 cannot be loaded fails these tests (with the reason): in this repository both kernel packages
 are part of the product, so "unavailable" here means broken, not optional.
 """
@@ -14,7 +15,8 @@ from parity.catalog import build_catalog
 from parity.legs import LEG_NAMES, Unavailable, load_leg
 from parity.records import FAILED, final_line
 from parity.report import failure_text, summary_table
-from parity.runner import Options, Runner
+from parity.parallel import default_jobs, run_cases
+from parity.runner import Options
 
 
 def _run(mode: str):
@@ -22,8 +24,9 @@ def _run(mode: str):
     legs = [load_leg(n) for n in LEG_NAMES]
     missing = [leg.describe() for leg in legs if isinstance(leg, Unavailable)]
     assert not missing, "legs unavailable: " + "; ".join(missing)
-    runner = Runner(legs, Options(mode=mode, seed=0, has_gpu=has_gpu))
-    records = runner.run(build_catalog(mode, 0))
+    records, interrupted = run_cases(LEG_NAMES, Options(mode=mode, seed=0, has_gpu=has_gpu),
+                                     build_catalog(mode, 0), default_jobs(has_gpu), legs=legs)
+    assert not interrupted
     print(summary_table(records))
     print(final_line(records))
     failures = [r for r in records if r.status == FAILED]
