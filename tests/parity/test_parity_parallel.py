@@ -9,13 +9,10 @@ import os
 from parity.cases import AttentionCase
 from parity.parallel import cost_order, run_parallel
 from parity.records import FAILED, PASSED
-from parity.runner import Options, Runner
 from parity.legs import load_leg
+from parity.runner import Options, Runner
+from parity_small_cases import CHUNKED, GQA, WINDOWED
 
-WINDOWED = AttentionCase("t", "turboquant_4bit_nc", 64, 4, 2, 4, ((13, 5), (9, 1), (4, 0)), sliding_window=3)
-GQA = AttentionCase("t", "turboquant_k8v4", 64, 6, 2, 16, ((7, 2), (5, 1)))
-CHUNKED = AttentionCase("t", "turboquant_3bit_nc", 64, 4, 2, 8, ((12, 9), (6, 3)), sliding_window=4,
-                        checks=("chunking",), chunks=(1, 4, 128))
 LEGS = ("reference", "numpy", "broken-gqa-modulo")
 
 

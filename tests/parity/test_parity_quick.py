@@ -1,7 +1,7 @@
 """The parity catalog as a test: quick on every machine (CI: interpreters), full with ``-m gpu``.
 
-Equivalent to ``python -m parity --quick`` / ``--full`` with all three legs (and, on a GPU, the
-same worker processes). A kernel leg that
+Equivalent to ``python -m parity --quick`` / ``--full`` with all three legs (and the same
+worker processes: `parity.parallel.default_jobs`). A kernel leg that
 cannot be loaded fails these tests (with the reason): in this repository both kernel packages
 are part of the product, so "unavailable" here means broken, not optional.
 """
