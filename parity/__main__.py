@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli import main as _main
+from .runner.cli import main as _main
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..environment import cuda_available, triton_interpreter_ready
+from ..runner.environment import cuda_available, triton_interpreter_ready
 from .base import OPS, KernelModuleLeg, Unavailable, missing_ops
 
 _LOCAL_DTYPES = ("bfloat16",)  # numpy holds these via ml_dtypes; torch.from_numpy cannot

@@ -3,7 +3,7 @@ each runs in well under a second."""
 
 from __future__ import annotations
 
-from parity.cases import AttentionCase, LayerSpec, ModelCase
+from parity.catalog.cases import AttentionCase, LayerSpec, ModelCase
 
 WINDOWED = AttentionCase("t", "turboquant_4bit_nc", 64, 4, 2, 4, ((13, 5), (9, 1), (4, 0)), sliding_window=3)
 GQA = AttentionCase("t", "turboquant_k8v4", 64, 6, 2, 16, ((7, 2), (5, 1)))

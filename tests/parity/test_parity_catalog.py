@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import tq_spec
-from parity.cases import AttentionCase, ModelCase, matches
-from parity.catalog import GROUP_NOTES, build_catalog, select
-from parity.problem import FAR_OFFSET_BYTES, build_problem, poison_row
+from parity.catalog.cases import AttentionCase, ModelCase, matches
+from parity.catalog.catalog import GROUP_NOTES, build_catalog, select
+from parity.catalog.problem import FAR_OFFSET_BYTES, build_problem, poison_row
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +167,8 @@ def test_far_pages_offsets():
     lay = tq_spec.layout(case.preset, case.head_dim)
     page_bytes = case.block_size * case.num_kv_heads * lay.slot_bytes
     # Only metadata is checked here (the >2 GiB cache itself is built on GPU runs).
-    from parity.problem import paged_batch
-    from parity.sweeps import rng_for
+    from parity.catalog.problem import paged_batch
+    from parity.catalog.sweeps import rng_for
 
     base = FAR_OFFSET_BYTES // page_bytes + 1
     batch = paged_batch(case.seqs, case.block_size, rng=rng_for("t"), page_base=base)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from parity.cli import main
+from parity.runner.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ONE = "flashinfer-short:4bit-d64-h14x2-p16-s9q8-bf16"

@@ -1,15 +1,15 @@
-"""parity.dense (raw K/V attention for the end-to-end check) agrees with the reference on exact caches,
-and parity.distortion measures what it should."""
+"""parity.checks.dense (raw K/V attention for the end-to-end check) agrees with the reference on exact caches,
+and parity.checks.distortion measures what it should."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from parity.cases import AttentionCase
-from parity.dense import dense_attention
-from parity.distortion import bounds, measure, within
-from parity.problem import build_problem
+from parity.catalog.cases import AttentionCase
+from parity.checks.dense import dense_attention
+from parity.checks.distortion import bounds, measure, within
+from parity.catalog.problem import build_problem
 from tq_spec import reference
 
 

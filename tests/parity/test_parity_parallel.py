@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from parity.cases import AttentionCase
-from parity.parallel import cost_order, run_parallel
-from parity.records import FAILED, PASSED
+from parity.catalog.cases import AttentionCase
+from parity.runner.parallel import cost_order, run_parallel
+from parity.report.records import FAILED, PASSED
 from parity.legs import load_leg
-from parity.runner import Options, Runner
+from parity.runner.runner import Options, Runner
 from parity_small_cases import CHUNKED, GQA, WINDOWED
 
 LEGS = ("reference", "numpy", "broken-gqa-modulo")

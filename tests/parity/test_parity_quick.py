@@ -1,7 +1,7 @@
 """The parity catalog as a test: quick on every machine (CI: interpreters), full with ``-m gpu``.
 
 Equivalent to ``python -m parity --quick`` / ``--full`` with all three legs (and the same
-worker processes: `parity.parallel.default_jobs`). A kernel leg that
+worker processes: `parity.runner.parallel.default_jobs`). A kernel leg that
 cannot be loaded fails these tests (with the reason): in this repository both kernel packages
 are part of the product, so "unavailable" here means broken, not optional.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from parity import environment
-from parity.catalog import build_catalog
+from parity.runner import environment
+from parity.catalog.catalog import build_catalog
 from parity.legs import LEG_NAMES, Unavailable, load_leg
-from parity.records import FAILED, final_line
-from parity.report import failure_text, summary_table
-from parity.parallel import default_jobs, run_cases
-from parity.runner import Options
+from parity.report.records import FAILED, final_line
+from parity.report.report import failure_text, summary_table
+from parity.runner.parallel import default_jobs, run_cases
+from parity.runner.runner import Options
 
 
 def _run(mode: str):

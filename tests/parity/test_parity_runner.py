@@ -10,8 +10,8 @@ from parity.legs import load_leg
 from parity.legs.base import Unavailable
 from parity.legs.fakes import BrokenLeg, NumpyLeg
 from parity.legs.reference import ReferenceLeg
-from parity.records import FAILED, PASSED, SKIPPED, UNAVAILABLE, final_line, tally
-from parity.runner import Options, Runner
+from parity.report.records import FAILED, PASSED, SKIPPED, UNAVAILABLE, final_line, tally
+from parity.runner.runner import Options, Runner
 from parity_small_cases import CHUNKED, GPU_ONLY, GQA, MODEL, WINDOWED
 
 

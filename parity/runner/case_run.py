@@ -19,11 +19,11 @@ import numpy as np
 import tq_spec
 from tq_spec import reference
 
-from . import tolerances
-from .dense import dense_attention
-from .legs.base import Leg
-from .problem import Problem
-from .records import FAILED, Record
+from .. import tolerances
+from ..catalog.problem import Problem
+from ..checks.dense import dense_attention
+from ..legs.base import Leg
+from ..report.records import FAILED, Record
 
 _ACCEPTS_EMULATION = "emulation" in inspect.signature(tolerances.check_attention).parameters
 

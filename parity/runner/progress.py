@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 import time
 
-from .records import FAILED, tally
-from .report import failure_text
+from ..report.records import FAILED, tally
+from ..report.report import failure_text
 
 
 class Progress:

@@ -1,6 +1,6 @@
 """What one parity case is: a declarative, hashable description of a problem.
 
-A case holds no arrays. `parity.problem.build_problem(case, seed)` turns it
+A case holds no arrays. `parity.catalog.problem.build_problem(case, seed)` turns it
 into concrete inputs, reproducibly from ``(seed, case.id)``. Two kinds exist:
 
 * `AttentionCase`: one attention layer: a varlen batch over one paged cache.
@@ -33,7 +33,7 @@ DTYPE_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 CHECK_NAMES = ("store", "attention", "paths", "cross", "e2e", "interchange", "chunking")
 DEFAULT_CHECKS = ("store", "attention", "paths", "cross", "e2e", "interchange")
 
-# How query/key data are drawn (parity.problem):
+# How query/key data are drawn (parity.catalog.problem):
 #   normal         q, k, v ~ N(0, 1)
 #   sharp          q ~ N(0, 1) * SHARP_QUERY_GAIN: logits of a few units, so a soft cap bites
 #   very-negative  every visible logit below -5e4 (a finite -5e4 mask sentinel would win)

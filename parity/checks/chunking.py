@@ -13,10 +13,10 @@ import numpy as np
 
 from tq_spec import reference
 
-from .case_run import CaseRun, LegError, attention_metrics, failed_by, timed
-from .checks import max_diff
-from .legs.base import Leg
-from .records import FAILED, PASSED, Record
+from ..legs.base import Leg
+from ..report.records import FAILED, PASSED, Record
+from ..runner.case_run import CaseRun, LegError, attention_metrics, failed_by, timed
+from .paths import max_diff
 
 
 def _chunk_plan(seqs, chunk: int):

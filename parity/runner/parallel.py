@@ -25,8 +25,8 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Optional, Sequence
 
-from .cases import Case, ModelCase
-from .records import FAILED, Record
+from ..catalog.cases import Case, ModelCase
+from ..report.records import FAILED, Record
 
 _worker_runner = None  # this worker process's Runner (set by _init_worker)
 
@@ -60,7 +60,7 @@ def _init_worker(leg_names: Sequence[str], options) -> None:
     from . import environment
 
     environment.configure(options.has_gpu)  # before the legs import triton / jax
-    from .legs import load_leg
+    from ..legs import load_leg
     from .runner import Runner
 
     global _worker_runner
@@ -135,7 +135,7 @@ def run_cases(leg_names: Sequence[str], options, cases: Sequence[Case], jobs: in
     workers; returns (records in catalog order, interrupted), as `run_parallel`."""
     if jobs > 1:
         return run_parallel(leg_names, options, cases, jobs, on_case=on_case)
-    from .legs import load_leg
+    from ..legs import load_leg
     from .runner import Runner
 
     runner = Runner(list(legs) if legs is not None else [load_leg(n) for n in leg_names], options,

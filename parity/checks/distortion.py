@@ -2,7 +2,7 @@
 
 The end-to-end check stores raw K/V with a leg, attends with the same leg
 (auto path), and compares with float64 attention on the raw K/V
-(`parity.dense`). Two numbers per output:
+(`parity.checks.dense`). Two numbers per output:
 
 * ``rel_err = ||out - dense||_F / ||dense||_F`` over all rows;
 * ``cos = mean over rows with a visible key of cos(out_row, dense_row)``.
@@ -17,7 +17,7 @@ times `MARGIN` (for ``rel_err`` and for ``1 - cos``), plus one unit roundoff
 of the query dtype (2**-8 bf16, 2**-11 fp16, 2**-24 fp32) for the kernel's
 own rounding (it computes in fp32 or the query dtype; the reference output
 is rounded to the query dtype before measuring, as a leg returns it).
-Re-derive with ``python -m parity.distortion`` (prints the measured worst
+Re-derive with ``python -m parity.checks.distortion`` (prints the measured worst
 values) whenever the format, the data generator or the catalog's shapes
 change; never to make a kernel pass.
 
@@ -33,10 +33,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import tolerances
+from ..legs.base import Leg
+from ..report.records import FAILED, PASSED, Record
+from ..runner.case_run import CaseRun, failed_by, timed
+
 MARGIN = 1.5
 
 # (preset, data) -> (worst rel_err, worst 1 - mean cos) measured by the
-# reference run described above: `python -m parity.distortion` over the 2832
+# reference run described above: `python -m parity.checks.distortion` over the 2832
 # calibration cases (quick + full catalogs, seeds 0..15; 4 min on 2 CPU cores).
 # bf16/fp16 rows are the query-dtype rounding of the output (and bf16 rounding
 # of fp32/fp16 K/V); quantized rows are the format's distortion. "sharp" data
@@ -116,7 +121,7 @@ def within(d: Distortion, preset: str, data: str, dtype: str) -> tuple[bool, str
     """Whether `d` is within the expected distortion, and a one-line explanation."""
     b = bounds(preset, data, dtype)
     if b is None:
-        return False, f"no calibrated distortion for ({preset}, {data}); run python -m parity.distortion"
+        return False, f"no calibrated distortion for ({preset}, {data}); run python -m parity.checks.distortion"
     max_rel, min_cos = b
     ok = np.isfinite(d.rel_err) and d.rel_err <= max_rel and d.mean_cos >= min_cos
     text = (f"rel_err {d.rel_err:.4g} (max {max_rel:.4g}), mean cos {d.mean_cos:.6f} "
@@ -124,12 +129,31 @@ def within(d: Distortion, preset: str, data: str, dtype: str) -> tuple[bool, str
     return bool(ok), text
 
 
+def check_e2e(run: CaseRun, leg: Leg) -> list[Record]:
+    """Leg store then leg attention (auto) vs dense float64 attention on the raw K/V."""
+    def go():
+        c = run.case
+        try:
+            if leg.oracle:
+                out = run.ref_out
+            else:
+                cache = run.problem.hide(run.store(leg))
+                out, _ = run.auto_output(leg, cache)
+            d = measure(tolerances.to_numpy(out), run.dense)
+            ok, text = within(d, c.preset, c.data, c.dtype)
+        except Exception as e:
+            return failed_by(run, "e2e", leg.name, "auto", e)
+        return run.record("e2e", leg.name, "auto", PASSED if ok else FAILED, text, metrics=d.to_dict(),
+                          worst="" if ok else d.worst)
+    return timed(go)
+
+
 CALIBRATION_SEEDS = range(16)
 
 
 def calibration_cases():
     """The cases the bounds are derived from: every e2e case of both catalogs, 4 seeds."""
-    from .catalog import build_catalog
+    from ..catalog.catalog import build_catalog
 
     seen = {}
     for seed in CALIBRATION_SEEDS:
@@ -144,7 +168,7 @@ def calibrate(stream=sys.stdout) -> dict[tuple[str, str], tuple[float, float]]:
     from tq_spec import reference
 
     from .dense import dense_attention
-    from .problem import build_problem, np_dtype
+    from ..catalog.problem import build_problem, np_dtype
 
     worst: dict[tuple[str, str], tuple[float, float]] = {}
     items = sorted(calibration_cases().items(), key=lambda kv: kv[0])

@@ -6,10 +6,10 @@ import numpy as np
 
 import tq_spec
 
-from .case_run import CaseRun, attention_metrics, failed_by, timed
-from .checks import max_diff
-from .legs.base import Leg
-from .records import FAILED, PASSED, Record
+from ..legs.base import Leg
+from ..report.records import FAILED, PASSED, Record
+from ..runner.case_run import CaseRun, attention_metrics, failed_by, timed
+from .paths import max_diff
 
 
 def check_cross(run: CaseRun, a: Leg, b: Leg) -> list[Record]:

@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     has_gpu = environment.configure()  # before anything imports triton or jax
     mode = "quick" if args.quick else "full" if args.full else ("full" if has_gpu else "quick")
 
-    from .catalog import build_catalog, select
-    from .legs import LEG_NAMES, SELF_TEST_LEGS, load_leg
+    from ..catalog.catalog import build_catalog, select
+    from ..legs import LEG_NAMES, SELF_TEST_LEGS, load_leg
 
     legs = _split([args.legs])
     known = LEG_NAMES + SELF_TEST_LEGS
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         return 2
 
     from .progress import Progress
-    from .report import console_report, write_reports
+    from ..report.report import console_report, write_reports
     from .parallel import default_jobs, run_cases
     from .runner import Options
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import tolerances
-from .cases import AttentionCase, ModelCase
-from .case_run import CaseRun, attention_metrics, failed_by, timed
-from .legs.base import Leg
-from .problem import build_problem, paged_batch
-from .records import FAILED, PASSED, Record
-from .sweeps import rng_for
+from .. import tolerances
+from ..catalog.cases import AttentionCase, ModelCase
+from ..catalog.problem import build_problem, paged_batch
+from ..catalog.sweeps import rng_for
+from ..legs.base import Leg
+from ..report.records import FAILED, PASSED, Record
+from ..runner.case_run import CaseRun, attention_metrics, failed_by, timed
 
 
 def layer_case(model: ModelCase, layer) -> AttentionCase:

@@ -19,13 +19,18 @@ import numpy as np
 
 import tq_spec
 
-from . import checks, chunking, pair_checks
 from .case_run import CaseRun
-from .cases import AttentionCase, Case, ModelCase
-from .legs.base import Unavailable
-from .model_checks import check_model, layer_runs
-from .problem import build_problem
-from .records import FAILED, SKIPPED, UNAVAILABLE, Record
+from ..catalog.cases import AttentionCase, Case, ModelCase
+from ..catalog.problem import build_problem
+from ..checks.attention import check_attention
+from ..checks.chunking import check_chunking
+from ..checks.distortion import check_e2e
+from ..checks.model import check_model, layer_runs
+from ..checks.pairs import check_cross, check_cross_store, check_interchange
+from ..checks.paths import check_paths
+from ..checks.store import check_store
+from ..legs.base import Unavailable
+from ..report.records import FAILED, SKIPPED, UNAVAILABLE, Record
 
 # Which contract ops each comparison needs from a (single) leg.
 _NEEDS = {
@@ -154,15 +159,15 @@ class Runner:
                     recs.append(self._unavailable(case.id, check, leg.name, "-", case.preset, reason, (leg.name,)))
                     continue
                 if check == "store":
-                    recs += checks.check_store(run, leg)
+                    recs += check_store(run, leg)
                 elif check == "attention":
-                    recs += checks.check_attention(run, leg, self._paths(run, leg))
+                    recs += check_attention(run, leg, self._paths(run, leg))
                 elif check == "paths":
-                    recs += checks.check_paths(run, leg)
+                    recs += check_paths(run, leg)
                 elif check == "e2e":
-                    recs += checks.check_e2e(run, leg)
+                    recs += check_e2e(run, leg)
                 elif check == "chunking":
-                    recs += chunking.check_chunking(run, leg, case.chunks)
+                    recs += check_chunking(run, leg, case.chunks)
         recs += self._pairs(case, run)
         return recs
 
@@ -194,11 +199,11 @@ class Runner:
                     if reason is not None:
                         recs.append(self._unavailable(case.id, op, name, "-", case.preset, reason, (a.name, b.name)))
                     elif op == "cross":
-                        recs += pair_checks.check_cross(run, a, b)
+                        recs += check_cross(run, a, b)
                     elif op == "cross-store":
-                        recs += pair_checks.check_cross_store(run, a, b)
+                        recs += check_cross_store(run, a, b)
                     else:
-                        recs += pair_checks.check_interchange(run, a, b)
+                        recs += check_interchange(run, a, b)
         return recs
 
     # -- model cases ------------------------------------------------------------------------

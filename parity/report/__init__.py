@@ -1,0 +1,5 @@
+"""The report: the result records and their console, JSON and Markdown renderings.
+
+  records  `Record` (one case x check x leg x path) and the status names.
+  report   console summary, ``parity.json`` and ``parity.md``.
+"""
