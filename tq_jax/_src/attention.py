@@ -24,8 +24,9 @@ from .cache_access import CacheWords, WordFields, needs_word_view, to_word_view
 from .decode import DecodeConfig, decode_partials, merge_partials
 from .extend import ExtendConfig, extend_attention
 from .kv_tiles import TileSpec
+from .inputs import array, index_array, not_differentiable
 from .params import resolve
-from .platform import interpret_default
+from .platform import by_lowering_platform, check_interpret, interpret_default
 
 # Decode programs to aim for (about two per SM of an H100/H200); the split
 # count is derived from it and the static shapes, never from data.
@@ -38,15 +39,19 @@ _MAX_PARTIAL_BYTES = 256 * 2**20
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale=None,
                     sliding_window=None, logits_soft_cap=None, sinks=None, rotation=None, codebook=None,
-                    path="auto"):
+                    path="auto", interpret=None):
     """Paged attention over the (quantized) cache, DESIGN.md section 3.
 
     Args:
       query: ``[T, Hq, D]`` float16/bfloat16/float32; sequence ``b`` owns rows
         ``[query_start_loc[b], query_start_loc[b+1])``, its last ``q_len`` tokens.
+        Rows past ``query_start_loc[B]`` are padding (bucketed T, CUDA graphs).
       kv_cache: ``uint8[N, P, Hkv, slot_bytes]``, written by `store_kv`.
       block_table: ``int32[B, max_blocks]``; seq_lens ``int32[B]``;
-        query_start_loc ``int32[B + 1]`` (0, non-decreasing, ends at T).
+        query_start_loc ``int32[B + 1]`` (0, non-decreasing, ends at or
+        before T). Requests with ``q_len == 0`` (and ``seq_len == 0``) are
+        allowed. numpy integer arrays are converted to int32 on the host
+        (ValueError if a value does not fit).
       preset: preset name or `tq_spec.Preset` (static).
       scale: logit scale (static), default ``1/sqrt(D)``.
       sliding_window: None or ``W >= 1`` (static): query at position ``i`` sees
@@ -57,20 +62,31 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
         denominator only.
       rotation, codebook: mse presets only; see `tq_spec.quant_params`.
       path: ``"auto"``, ``"decode"`` or ``"extend"`` (static; tq_spec.dispatch).
+      interpret: None (automatic, decided by the lowering platform: Triton for
+        cuda/rocm, Pallas interpret mode elsewhere) or True/False (static).
 
     Returns:
-      ``[T, Hq, D]`` in the query dtype; rows with no visible key are zeros.
-      Dots take operands in the query dtype (float32 queries: IEEE fp32) and
-      accumulate in float32.
+      ``[T, Hq, D]`` in the query dtype. Rows with no visible key and padding
+      rows (outside ``[query_start_loc[0], query_start_loc[B])``) are zeros;
+      NaN/Inf in a visible query, key, value or sink propagate (a NaN query
+      row gives a NaN output row). Dots take operands in the query dtype
+      (float32 queries: IEEE fp32) and accumulate in float32.
 
     Raises:
-      ValueError/TypeError for malformed arguments (tq_spec.validation),
-      NotImplementedError for a forced path that cannot run the problem.
+      ValueError/TypeError for malformed arguments (tq_spec.validation; torch
+      tensors included), NotImplementedError for a forced path that cannot
+      run the problem and under `jax.grad`/`jax.jvp`.
     """
+    query, kv_cache = array("query", query), array("kv_cache", kv_cache)
+    block_table, seq_lens, query_start_loc = (
+        index_array(n, x) for n, x in (("block_table", block_table), ("seq_lens", seq_lens),
+                                       ("query_start_loc", query_start_loc)))
+    sinks = array("sinks", sinks, optional=True)
     lay = tq_spec.validation.check_paged_attention(
         query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
     )
+    check_interpret(interpret)
     t, hq, d = (int(s) for s in query.shape)
     n, bs, hkv, _ = (int(s) for s in kv_cache.shape)
     problem = DispatchProblem(
@@ -84,7 +100,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
         preset_name=lay.preset.name, scale=float(1.0 / math.sqrt(d) if scale is None else scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        path=chosen, num_splits=None, interpret=None,
+        path=chosen, num_splits=None, interpret=interpret,
     )
 
 
@@ -96,12 +112,17 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
 def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
                      preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret,
                      word_view=None, poison=False):
-    return paged_attention_call(
-        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
-        preset_name=preset_name, scale=scale, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, interpret=interpret,
-        word_view=word_view, poison=poison,
+    """The jitted op: `paged_attention_call` per lowering platform, not differentiable."""
+    call = functools.partial(
+        paged_attention_call, preset_name=preset_name, scale=scale, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, word_view=word_view, poison=poison,
     )
+
+    def op(*arrays):
+        return by_lowering_platform(call, *arrays, interpret=interpret)
+
+    return not_differentiable("tq_jax.paged_attention", op)(
+        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids)
 
 
 def attention_compute_dtype(query_dtype) -> str:
@@ -151,13 +172,30 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
 
     `num_splits` None picks the decode split count from the shapes; `word_view`
     None picks the cache view from its size (tests force both); `poison`
-    makes the kernels write into NaN-filled buffers (tests).
+    makes the kernels write into NaN-filled buffers (tests); `interpret`
+    None falls back to `interpret_default()` (direct calls in tests).
     """
     t, hq, d = query.shape
     if t == 0:
         return jnp.zeros(query.shape, query.dtype)
     if interpret is None:
         interpret = interpret_default()
+    out = _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
+                  preset_name=preset_name, scale=scale, sliding_window=sliding_window,
+                  logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, interpret=interpret,
+                  word_view=word_view, poison=poison)
+    # Padding rows (T bucketed past query_start_loc[B]) belong to no sequence:
+    # no kernel writes them, so they are zeroed here, fused into the decode
+    # merge (one select over the output on the extend path; no host sync).
+    row = lax.broadcasted_iota(jnp.int32, (t, 1, 1), 0)
+    owned = (row >= query_start_loc[0]) & (row < query_start_loc[-1])
+    return jnp.where(owned, out, jnp.zeros((), out.dtype))
+
+
+def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
+            preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret, word_view,
+            poison):
+    t, hq, d = query.shape
     hkv = kv_cache.shape[2]
     group = hq // hkv
     lay = tq_spec.layout(preset_name, d)

@@ -78,14 +78,15 @@ def merge_partials(acc, m, l, *, group: int, head_dim: int, sinks, out_dtype):
     """Log-sum-exp merge of the split partials -> ``[T, Hq, D]`` in `out_dtype`.
 
     Sinks (float32 ``[Hq]`` or None) join the denominator only. Rows with no
-    visible key anywhere are zeros.
+    visible key anywhere are zeros (``l == 0`` in every split); a NaN ``l``
+    (NaN query, key or value) counts as seen, so the NaN reaches the output.
     """
     t, hkv, ns, _, _ = acc.shape
     acc = acc[:, :, :, :group, :head_dim]
     m = m[:, :, :, :group]
     l = l[:, :, :, :group]
     m_max = jnp.max(m, axis=2)  # [T, Hkv, G]
-    seen = jnp.sum(l, axis=2) > 0.0
+    seen = jnp.sum(l, axis=2) != 0.0  # not `> 0`: NaN must count as seen
     m_ref = jnp.where(seen, m_max, 0.0)
     if sinks is not None:
         m_ref = jnp.maximum(m_ref, sinks.astype(jnp.float32).reshape(hkv, group)[None])

@@ -137,7 +137,7 @@ def _extend_kernel(*refs, cfg: ExtendConfig, num_seqs: int, has_codebook: bool, 
         first = lo // bn
         m, l, acc = lax.fori_loop(first, jnp.maximum(km.cdiv(hi, bn), first), one_tile, init)
 
-        seen = l > 0.0
+        seen = l != 0.0  # NaN counts as seen (propagates); only l == 0 means no visible key
         m_ref = jnp.where(seen, m, 0.0)
         denom = l
         if sinks_ref is not None:

@@ -10,6 +10,11 @@ The rotation and codebook are data (DESIGN.md section 2), generated once in
 
 The tables are padded to 16 entries because kernel tiles must have a power of
 two element count; 16 covers every key width up to 4 bits.
+
+Only numpy arrays are cached (`_default_tables`); they become jax arrays per
+call. Caching ``jnp.asarray(...)`` instead would cache a tracer whenever the
+first call happens under a trace (`jit`, `eval_shape`, `export`, `nnx.scan`)
+and leak it into every later call (`UnexpectedTracerError`).
 """
 
 from __future__ import annotations
@@ -42,17 +47,22 @@ def _pad(values: np.ndarray, fill: float) -> np.ndarray:
 
 
 @lru_cache(maxsize=64)
-def _default_tables(preset_name: str, head_dim: int):
+def _default_tables(preset_name: str, head_dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy ``(centroids [16], midpoints [16], rotation [D, D])`` float32 (read-only)."""
     qp = tq_spec.quant_params(preset_name, head_dim)
-    return _tables_of(qp.codebook) + (jnp.asarray(qp.rotation, jnp.float32),)
+    tables = _tables_of(qp.codebook) + (np.asarray(qp.rotation, np.float32),)
+    for t in tables:
+        t.setflags(write=False)  # shared by every caller: nobody may mutate the cache
+    return tables
 
 
-def _tables_of(cb: tq_spec.Codebook):
+def _tables_of(cb: tq_spec.Codebook) -> tuple[np.ndarray, np.ndarray]:
+    """numpy float32 ``(centroids, midpoints)`` padded to `TABLE_SIZE`."""
     if cb.centroids.shape[0] > TABLE_SIZE:
         raise NotImplementedError(
             f"codebook: tq_jax kernels support up to {TABLE_SIZE} levels, got {cb.centroids.shape[0]}"
         )
-    return jnp.asarray(_pad(cb.centroids, 0.0)), jnp.asarray(_pad(cb.midpoints, np.inf))
+    return _pad(cb.centroids, 0.0), _pad(cb.midpoints, np.inf)
 
 
 def resolve(preset, head_dim: int, rotation=None, codebook=None) -> KernelParams:
@@ -80,9 +90,10 @@ def resolve(preset, head_dim: int, rotation=None, codebook=None) -> KernelParams
         rot = rotation.astype(jnp.float32)
     elif rotation is None and codebook is None:
         cents, mids, rot = _default_tables(p.name, head_dim)
-        return KernelParams(rot, cents, mids)
+        # Fresh jax arrays per call (constants of the current trace, if any).
+        return KernelParams(jnp.asarray(rot), jnp.asarray(cents), jnp.asarray(mids))
     else:
         qp = tq_spec.quant_params(p, head_dim, rotation=rotation, codebook=codebook)
         rot = jnp.asarray(qp.rotation, jnp.float32)
     cents, mids = _tables_of(qp.codebook)
-    return KernelParams(rot, cents, mids)
+    return KernelParams(rot, jnp.asarray(cents), jnp.asarray(mids))

@@ -4,8 +4,9 @@ Grid ``(T, Hkv)``: one program per (token, kv head) writes exactly one slot,
 so there is one writer per slot and no atomics. Tokens with
 ``slot_mapping == -1`` skip all work under `pl.when` (no masked stores whose
 lanes would compute addresses from -1). The cache is aliased input -> output
-(`input_output_aliases`): under ``jax.jit(..., donate_argnums=...)`` the
-update happens in place; without donation XLA copies the cache first.
+(`input_output_aliases`): under ``jax.jit(..., donate_argnums=...)``, or
+eagerly with ``store_kv(..., donate_cache=True)``, the update happens in
+place; without donation XLA copies the cache first.
 
 Math (DESIGN.md section 2), all in IEEE float32:
 
@@ -31,8 +32,9 @@ import tq_spec
 
 from . import kernel_math as km
 from .cache_access import CacheWords, WordFields, from_word_view, needs_word_view, to_word_view
+from .inputs import array, index_array, not_differentiable
 from .params import resolve
-from .platform import interpret_default, pallas_kwargs
+from .platform import by_lowering_platform, check_interpret, interpret_default, pallas_kwargs
 
 NORM_EPS = 1e-8
 VALUE_SCALE_MIN = 1e-8
@@ -40,7 +42,8 @@ VALUE_SCALE_MIN = 1e-8
 _ROTATION_TILE_ELEMENTS = 4096
 
 
-def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codebook=None):
+def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codebook=None, interpret=None,
+             donate_cache=False):
     """Quantizes ``key``/``value`` and writes them into the slots named by `slot_mapping`.
 
     Args:
@@ -48,39 +51,72 @@ def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codeb
       kv_cache: ``uint8[N, P, Hkv, slot_bytes]`` (vLLM layout; see `tq_spec.layout`).
       slot_mapping: ``int32/int64[T]``; token ``t`` goes to block ``s // P``,
         offset ``s % P`` with ``s = slot_mapping[t]``; ``-1`` skips the token.
-        Entries must be unique and in ``[-1, N * P)`` (not checked on device).
+        Entries must be unique. A slot outside ``[0, N * P)`` is not written
+        (guarded on device). numpy int64 is converted to int32 on the host
+        (ValueError if a value does not fit).
       preset: a preset name or `tq_spec.Preset` (static).
       rotation: mse presets only: None (tq_spec's Hadamard) or ``float[D, D]``.
       codebook: mse presets only: None (flavor "vllm") or a `tq_spec.Codebook`.
+      interpret: None (automatic: the Triton lowering when compiled for
+        cuda/rocm, Pallas interpret mode for any other platform, decided at
+        lowering time, so `jax.export` for CUDA works from a CPU host), or
+        True/False to force it (static).
+      donate_cache: donate `kv_cache` to an eager call, so the cache is updated
+        in place instead of copied (the whole cache is copied per call
+        otherwise). The input array is then *consumed*: it is deleted (reading
+        it raises) and only the returned cache is valid. Under an outer
+        `jax.jit` it has no effect: donate at that jit (``donate_argnums``).
 
     Returns:
       The new cache (same shape/dtype). Every byte outside the named slots is
-      unchanged. Use ``jax.jit(..., donate_argnums=...)`` on the caller to
-      update the cache buffer in place.
+      unchanged.
 
-    Static (trigger recompilation): preset, shapes and dtypes; the arrays,
-    rotation and codebook values are dynamic.
+    Raises:
+      TypeError/ValueError naming the argument for malformed input (torch
+      tensors included); NotImplementedError under `jax.grad`/`jax.jvp`.
+
+    Static (trigger recompilation): preset, interpret, donate_cache, shapes and
+    dtypes; the arrays, rotation and codebook values are dynamic.
     """
+    key, value, kv_cache = (array(n, x) for n, x in (("key", key), ("value", value), ("kv_cache", kv_cache)))
+    slot_mapping = index_array("slot_mapping", slot_mapping)
     lay = tq_spec.validation.check_store_kv(key, value, kv_cache, slot_mapping, preset=preset)
+    check_interpret(interpret)
     kp = resolve(preset, lay.head_dim, rotation, codebook)
-    return _store_kv(
-        key, value, kv_cache, jnp.asarray(slot_mapping).astype(jnp.int32), kp.rotation, kp.midpoints,
-        preset_name=lay.preset.name, interpret=None,
-    )
+    fn = _store_kv_donated if donate_cache else _store_kv
+    return fn(key, value, kv_cache, slot_mapping, kp.rotation, kp.midpoints, preset_name=lay.preset.name,
+              interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("preset_name", "interpret"))
-def _store_kv(key, value, kv_cache, slot_mapping, rotation, midpoints, *, preset_name, interpret):
-    return store_kv_call(key, value, kv_cache, slot_mapping, rotation, midpoints,
-                         preset_name=preset_name, interpret=interpret)
+def _store_kv_impl(key, value, kv_cache, slot_mapping, rotation, midpoints, *, preset_name, interpret):
+    n, p = kv_cache.shape[:2]
+    # Memory safety whatever the values: a slot outside the cache is skipped
+    # (compared before narrowing, so an int64 slot cannot wrap into range).
+    slots = jnp.where((slot_mapping >= 0) & (slot_mapping <= min(n * p - 1, 2**31 - 1)), slot_mapping, -1)
+    slots = slots.astype(jnp.int32)
+
+    def call(key, value, kv_cache, slots, rotation, midpoints):
+        return by_lowering_platform(
+            functools.partial(store_kv_call, preset_name=preset_name), key, value, kv_cache, slots, rotation,
+            midpoints, interpret=interpret)
+
+    return not_differentiable("tq_jax.store_kv", call)(key, value, kv_cache, slots, rotation, midpoints)
+
+
+_STORE_STATIC = ("preset_name", "interpret")
+_store_kv = jax.jit(_store_kv_impl, static_argnames=_STORE_STATIC)
+# The cache buffer is reused for the output (the kernel aliases it).
+_store_kv_donated = jax.jit(_store_kv_impl, static_argnames=_STORE_STATIC, donate_argnums=(2,))
 
 
 def store_kv_call(key, value, kv_cache, slot_mapping, rotation, midpoints, *, preset_name: str,
                   interpret: bool | None, word_view: bool | None = None):
-    """The bare `pallas_call` (no validation); traced inside `_store_kv`.
+    """The bare `pallas_call` (no validation, no slot guard); traced inside `_store_kv`.
 
-    `word_view` None picks the cache view from its size (`needs_word_view`);
-    tests force True/False to run both kernel variants on small caches.
+    `interpret` None falls back to `interpret_default()` (direct calls in
+    tests); `word_view` None picks the cache view from its size
+    (`needs_word_view`); tests force True/False to run both kernel variants
+    on small caches.
     """
     t, hkv, d = key.shape
     if t == 0:

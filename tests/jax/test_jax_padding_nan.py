@@ -1,0 +1,163 @@
+"""Padding rows and NaN semantics of tq_jax.paged_attention (DESIGN.md section 3), every path.
+
+* Rows past ``query_start_loc[B]`` (T bucketed for compiled sizes or CUDA
+  graphs) are padding: exactly zeros, even when their query rows are NaN and
+  the kernels write into NaN-poisoned buffers. Requests with q_len 0 and
+  seq_len 0 (padded batch entries) are valid. Before the fix these rows came
+  back as NaN.
+* NaN in a visible query row propagates to that row's output only (it came
+  back as zeros before); a NaN sink makes its head's rows NaN; a NaN key or
+  value in a visible slot makes the rows that see it NaN: all as the float64
+  reference does. Garbage in slots no query may see never leaks (the
+  garbage-filled caches of `tqjax_cases` check that on every case).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tq_jax
+import tq_spec
+from tqjax_cases import attend, attention_failure, build_attention_case
+
+PATHS = tq_spec.dispatch.PATH_NAMES
+
+
+def _case(seed, *, preset="turboquant_4bit_nc", seq_lens=(9, 0, 5, 6, 0), q_lens=(3, 0, 1, 6, 0), **kw):
+    """A mixed batch (decode, prefill, continuation) with q_len-0/seq_len-0 padding requests."""
+    return build_attention_case(np.random.default_rng(seed), preset=preset, head_dim=64, num_q_heads=4,
+                                num_kv_heads=2, block_size=4, seq_lens=list(seq_lens), q_lens=list(q_lens),
+                                **kw)
+
+
+def _with_padding_rows(case, extra):
+    """`case` with `extra` NaN query rows appended past query_start_loc[B]."""
+    pad = np.full((extra,) + case.query.shape[1:], np.nan, case.query.dtype)
+    return dataclasses.replace(case, query=np.concatenate([case.query, pad]))
+
+
+def _check_padded(case, padded, out):
+    out = np.asarray(out)
+    t = case.query.shape[0]
+    assert out.shape == padded.query.shape and out.dtype == case.query.dtype
+    assert np.all(out[t:] == 0), "padding rows must be exactly zero"
+    failure = attention_failure(case, out[:t])
+    assert failure is None, failure
+
+
+def check_padding_rows(case, path, extra):
+    """`extra` NaN padding rows after `case`'s rows: zeros, poisoned kernels and public API alike."""
+    padded = _with_padding_rows(case, extra)
+    _check_padded(case, padded, attend(padded, path))  # NaN-poisoned kernel outputs
+    out = tq_jax.paged_attention(*padded.jax_args(), preset=padded.preset, path=path, **padded.jax_kwargs())
+    _check_padded(case, padded, out)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+def test_padding_rows_are_zeros(path, q_dtype):
+    check_padding_rows(_case(1, q_dtype=q_dtype, sliding_window=4, sinks=True), path, 5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_padding_only_batch(path):
+    """Every request padding (q_len 0, seq_len 0): the whole output is zeros."""
+    case = _case(2, preset="fp16", seq_lens=[0, 0], q_lens=[0, 0])
+    padded = _with_padding_rows(case, 3)
+    out = tq_jax.paged_attention(*padded.jax_args(), preset="fp16", path=path)
+    assert out.shape == (3, 4, 64) and np.all(np.asarray(out) == 0)
+
+
+def test_padding_under_jit_with_a_fixed_bucket():
+    """Bucketed T: one compilation serves different real token counts; padding stays zero."""
+    traces = []
+
+    @jax.jit
+    def step(q, cache, bt, sl, qsl):
+        traces.append(1)
+        return tq_jax.paged_attention(q, cache, bt, sl, qsl, preset="turboquant_4bit_nc")
+
+    for seed, (seq_lens, q_lens) in enumerate((([9, 5], [3, 1]), ([10, 6], [1, 1]))):
+        case = _case(10 + seed, seq_lens=seq_lens, q_lens=q_lens)
+        padded = _with_padding_rows(case, 8 - case.query.shape[0])
+        _check_padded(case, padded, step(*padded.jax_args()))
+    assert len(traces) == 1
+
+
+def _reference(case, query, **kwargs):
+    kw = dict(case.kwargs, **kwargs)
+    return tq_spec.reference.paged_attention(query, case.kv_cache, case.block_table, case.seq_lens,
+                                             case.query_start_loc, preset=case.preset, rotation=case.rotation, **kw)
+
+
+def _run(case, path, query=None, sinks=None):
+    args = list(case.jax_args())
+    if query is not None:
+        args[0] = jnp.asarray(query)
+    kw = case.jax_kwargs()
+    if sinks is not None:
+        kw["sinks"] = jnp.asarray(sinks)
+    return np.asarray(tq_jax.paged_attention(*args, preset=case.preset, path=path, **kw)).astype(np.float32)
+
+
+def _check_nan_pattern(case, path, got, ref, clean):
+    """NaN exactly where the reference has NaN; every other element as in the clean run."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert np.isnan(ref).any()
+    np.testing.assert_array_equal(got[~np.isnan(ref)], clean[~np.isnan(ref)])
+
+
+def check_nan_query(case, path, rows):
+    """NaN in one lane of each query row ``(t, h)`` of `rows`: those output rows NaN, the rest unchanged."""
+    clean = _run(case, path)
+    assert attention_failure(case, clean.astype(case.query.dtype)) is None
+    query = case.query.copy()
+    for i, (t, h) in enumerate(rows):
+        query[t, h, i % query.shape[2]] = np.nan
+    ref = _reference(case, query)
+    assert all(np.isnan(ref[t, h]).all() for t, h in rows)
+    _check_nan_pattern(case, path, _run(case, path, query=query), ref, clean)
+
+
+def check_nan_sink(case, path, head):
+    """A NaN sink for `head`: as the reference (NaN rows where the head sees a key, zeros elsewhere)."""
+    clean = _run(case, path)
+    sinks = case.kwargs["sinks"].copy()
+    sinks[head] = np.nan
+    ref = _reference(case, case.query, sinks=sinks)
+    _check_nan_pattern(case, path, _run(case, path, sinks=sinks), ref, clean)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("preset,q_dtype", [("turboquant_4bit_nc", "bfloat16"), ("turboquant_k8v4", "float32")])
+def test_nan_query_row_propagates(path, preset, q_dtype):
+    case = _case(3, preset=preset, q_dtype=q_dtype, logits_soft_cap=30.0)
+    check_nan_query(case, path, [(1, 2), (3, 0)])  # a prefill row of sequence 0, the decode row of sequence 2
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_sink_propagates(path):
+    check_nan_sink(_case(4, sinks=True, sliding_window=3), path, head=1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("field", ["key", "value"])
+def test_nan_in_a_visible_slot_propagates(path, field):
+    """A NaN key or value in a slot a decode row sees (fp16 preset: stored as NaN bits)."""
+    case = _case(5, preset="fp16", seq_lens=[9, 5, 6], q_lens=[1, 1, 1], q_dtype="float16")
+    clean = _run(case, path)
+    lay = tq_spec.layout("fp16", 64)
+    slot = case.block_table[1, 1] * 4 + 0  # sequence 1, position 4
+    offset = lay.key_offset if field == "key" else lay.value_offset
+    cache = case.kv_cache.copy()
+    nan16 = np.tile(np.array([0x00, 0x7E], np.uint8), 64)  # fp16 quiet NaN (little-endian) x D
+    cache[slot // 4, slot % 4, 0, offset:offset + 128] = nan16
+    case = dataclasses.replace(case, kv_cache=cache, _reference=None)
+    ref = _reference(case, case.query)
+    assert np.isnan(ref[1, :2]).all() and not np.isnan(ref[[0, 2]]).any()
+    _check_nan_pattern(case, path, _run(case, path), ref, clean)
