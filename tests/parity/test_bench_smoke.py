@@ -1,0 +1,66 @@
+"""`python -m parity.bench --smoke`: every op, leg, baseline and report path runs on CPU and every
+timed configuration passed the float64 reference gate. No time is asserted (DESIGN.md section 7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity.bench.cli import main
+from parity.bench.shapes import OPS, quick_rows, smoke_rows
+
+
+def test_smoke_runs_checks_and_reports(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rc = main(["--smoke", "--out", str(tmp_path / "run"), "--benchmarks-md", str(tmp_path / "BENCHMARKS.md"),
+               "--label", "smoke-test", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    assert "Goal rows (measured vs target)" in captured.out
+    assert "| goal | preset | leg |" in captured.out
+
+    doc = json.loads((tmp_path / "run" / "bench.json").read_text())
+    rows = doc["rows"]
+    kernel = [r for r in rows if r["leg"] in ("torch", "jax")]
+    assert kernel and all(r["status"] == "ok" for r in kernel), [
+        (r["row"], r["preset"], r["leg"], r["status"], r["check"]) for r in kernel if r["status"] != "ok"]
+    assert all(r["check"].startswith(("attention ok", "store[")) for r in kernel)
+    assert {r["op"] for r in kernel} == set(OPS)
+    for op in OPS:
+        for leg in ("torch", "jax"):
+            assert len({r["preset"] for r in kernel if r["op"] == op and r["leg"] == leg}) >= 2, (op, leg)
+    baselines = {r["leg"] for r in rows if r["leg"] not in ("torch", "jax")}
+    assert baselines == {"sdpa", "jax-dpa"}
+    assert doc["roofline"]["gbps"] > 0
+    assert doc["environment"]["label"] == "smoke-test" and "--smoke" in doc["environment"]["command"]
+    assert doc["goals"], "the goal table is empty"
+
+    md = (tmp_path / "run" / "bench.md").read_text()
+    assert "## Goals" in md and "## decode" in md and "## store" in md
+    assert (tmp_path / "run" / "roofline.png").stat().st_size > 0
+    page = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "run/roofline.png" in page and "## Reproduce" in page
+
+    # The reports of a finished run can be rebuilt without running anything.
+    assert main(["--from-json", str(tmp_path / "run"), "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "bench.json").read_text())["rows"] == rows
+
+
+def test_tables_are_declarative():
+    quick = quick_rows()
+    assert len({r.id for r in quick}) == len(quick)
+    roles = {r.role for r in quick if r.role}
+    from parity.bench.goals import GOALS
+
+    assert {g.role for g in GOALS} <= roles, "a goal names a role no --quick row has"
+    assert {g.role for g in GOALS} <= {r.role for r in smoke_rows()} | {"decode-d256", "decode-gqa1", "decode-gqa8"}
+    assert all(r.op in OPS for r in quick + smoke_rows())
+
+
+def test_list_and_bad_arguments(capsys):
+    assert main(["--list", "--ops", "store"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "1 row(s)" and out[0].startswith("store-")
+    assert main(["--smoke", "--legs", "cuda"]) == 2
+    assert "unknown leg" in capsys.readouterr().err
