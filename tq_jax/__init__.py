@@ -19,6 +19,10 @@ CPU host); ``interpret=True/False`` forces it.
 * `PATHS`, `select_path`: the dispatch table shared with tq_torch (tq_spec.dispatch).
 * `attention_compute_dtype(query_dtype)`: the dtype of the attention dot operands
   (the query's; float32 means IEEE fp32), for tolerance checks.
+* `tq_jax.paging`: a jittable page allocator (free list, per-sequence pages,
+  seq_lens, prefix sharing by reference count) and the per-step op metadata
+  (block_table, seq_lens, query_start_loc, slot_mapping, positions,
+  last-token indices) padded to a bucketed T.
 * `tq_jax.nnx`: thin Flax NNX modules over these ops.
 
 Inputs are jax or numpy arrays (torch tensors are a TypeError naming the
@@ -32,9 +36,10 @@ from tq_spec.dispatch import PATH_NAMES, PATHS, DispatchProblem, select_path
 
 from ._src.attention import attention_compute_dtype, paged_attention
 from ._src.dequantize import dequantize_cache
+from . import paging  # plain jax (tq_jax.nnx needs flax and is imported on demand)
 from ._src.store import store_kv
 
 __all__ = [
     "PATHS", "PATH_NAMES", "DispatchProblem", "attention_compute_dtype", "dequantize_cache", "paged_attention",
-    "select_path", "store_kv",
+    "paging", "select_path", "store_kv",
 ]
