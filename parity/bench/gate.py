@@ -10,7 +10,9 @@ the same cache (queries are its last tokens). The sampled pages are gathered int
 block table is remapped onto it (still in permuted order). The comparison is
 `parity.tolerances.check_attention` on those bytes; the whole output must in
 addition be finite (the torch output buffer is poisoned with NaN first, so an
-unwritten row shows). Stores compare the bytes of a few whole pages with
+unwritten row shows; jax outputs are allocated by XLA and cannot be poisoned
+from outside). Inputs are standard-normal bf16, never zeros, and unwritten
+cache slots hold NaN bytes, so a read past seq_lens shows too. Stores compare the bytes of a few whole pages with
 `parity.tolerances.compare_store`.
 """
 

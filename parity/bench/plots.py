@@ -88,7 +88,8 @@ def _prefill(plt, rows):
     for r in rows:
         if r["op"] == "prefill" and r["batch"] == 1 and not r["window"] and r["geometry"] == geo \
                 and r["page"] == 16 and r.get("time_ms"):
-            name = r["leg"] if r["leg"] in ("sdpa", "jax-dpa") else f"{r['preset'].replace('turboquant_', '')} {r['leg']}"
+            name = r["leg"] if r["leg"] in ("sdpa", "jax-dpa") else \
+                f"{r['preset'].replace('turboquant_', '')} {r['leg']}"
             pts.setdefault(name, []).append((r["ctx"], r["time_ms"]))
     if not pts:
         return None

@@ -44,10 +44,8 @@ class BenchProgress:
         self.stream.flush()
 
     def note(self, text: str) -> None:
-        """A line that must stay visible (a WRONG kernel, a skipped row)."""
-        if not self.enabled:
-            return
-        if self.tty:
+        """A line that must stay visible (a WRONG kernel, a skipped row), with or without the bar."""
+        if self.enabled and self.tty:
             self.stream.write("\r" + " " * (self.width + 110) + "\r")
         self.stream.write(text + "\n")
         self.stream.flush()

@@ -155,6 +155,16 @@ def store_table(rows: list[dict]) -> str:
     return _table(head, body)
 
 
+def baseline_notes(rows: list[dict]) -> str:
+    """Which implementation each baseline used, per row (flash forced or refused, cudnn or xla)."""
+    by: dict[str, dict[str, str]] = {}
+    for r in rows:
+        if r["leg"] in ("sdpa", "jax-dpa"):
+            by.setdefault(r["row"], {})[r["leg"]] = r["check"]
+    body = [[row, d.get("sdpa", "-"), d.get("jax-dpa", "-")] for row, d in by.items()]
+    return _table(["row", "sdpa", "jax-dpa"], body)
+
+
 def problems(rows: list[dict]) -> str:
     """WRONG / error / skipped records with their reason (kept out of the tables' numbers)."""
     lines = []
@@ -173,7 +183,7 @@ How to read this:
   jax times: AOT-compiled call, median over repeats of N back-to-back calls ended by `block_until_ready`
   (compile time listed separately). `jax/torch` and jax speed-ups compare loop times with loop times.
 - SDPA: `torch.nn.functional.scaled_dot_product_attention` bf16 on contiguous K/V with `enable_gqa`
-  (flash forced for causal prefill); jax-dpa: `jax.nn.dot_product_attention` (cudnn, else xla).
+  (flash backend forced; the backend used is in bench.json); jax-dpa: `jax.nn.dot_product_attention` (cudnn, else xla).
 - % roof: (compressed cache bytes of the keys any query sees + query + output bytes) / time, over the
   measured device copy bandwidth (bytes read + written). Store GB/s: bf16 K+V input bytes per second.
 - host us: host wall time of issuing one eager call (no sync)."""
@@ -196,7 +206,8 @@ def markdown(env: dict, roofline: dict, rows: list[dict], goals: list[GoalResult
             continue
         out += [f"## {op}: {OP_NOTES[op]}", ""]
         out += [store_table(rows) if op == "store" else attention_table(rows, op), ""]
-    out += ["## Not timed", "", problems(rows), "", "## Method", "", METHOD, ""]
+    out += ["## Not timed", "", problems(rows), "", "## Baselines", "", baseline_notes(rows), "",
+            "## Method", "", METHOD, ""]
     if plots:
         out += ["## Plots", ""] + [f"![{os.path.splitext(os.path.basename(p))[0]}]({p})" for p in plots] + [""]
     return "\n".join(out)

@@ -85,10 +85,13 @@ class BenchRun:
                 continue
             need = row.memory_bytes(presets)
             if need > self.opt.budget_bytes:
-                self._skip(row, presets, f"needs ~{need / 2**30:.1f} GiB > budget {self.opt.budget_bytes / 2**30:.0f} GiB")
+                budget = self.opt.budget_bytes / 2**30
+                self._skip(row, presets, f"needs ~{need / 2**30:.1f} GiB > budget {budget:.0f} GiB")
                 continue
             try:
                 self._row(row, presets)
+            except Exception as e:  # inputs or baselines failed (e.g. out of memory): the run goes on
+                self._row_failed(row, presets, e)
             finally:
                 self._free()
         return self.result
@@ -112,7 +115,8 @@ class BenchRun:
             out["jax-dpa"] = jax_dpa(inp, self.opt.on_gpu, self.opt.smoke)
         row = inp.row
         for name, b in out.items():
-            rec = self._record(row, "-", name, "ok" if b.timing else "error", b.notes, b.timing)
+            status = "ok" if b.timing else ("skipped" if b.notes.startswith("skipped") else "error")
+            rec = self._record(row, "-", name, status, b.notes, b.timing)
             if b.timing:
                 self._bandwidth(rec, attention_bytes(row, 2 * row.geometry.head_dim * 2))
             self.result.rows.append(rec)
@@ -185,8 +189,9 @@ class BenchRun:
     def _record(self, row, preset, leg, status, detail, timing) -> dict:
         rec = {**row_fields(row), "preset": preset, "leg": leg, "status": status, "check": detail}
         if timing is not None:
-            prefer = "event" if leg in ("torch", "sdpa") else "loop"
-            rec.update(timing=timing.to_dict(), time_ms=timing.best_ms(prefer), time_how=prefer if getattr(timing, prefer) else "loop",
+            # torch-side calls headline their event time (device time, L2 flushed) where taken.
+            prefer = "event" if leg in ("torch", "sdpa") and timing.event else "loop"
+            rec.update(timing=timing.to_dict(), time_ms=timing.best_ms(prefer), time_how=prefer,
                        loop_ms=timing.loop and timing.loop.median_ms, event_ms=timing.event and timing.event.median_ms,
                        graph_ms=timing.graph and timing.graph.median_ms, host_us=timing.host_us,
                        compile_s=timing.compile_s)
@@ -202,6 +207,18 @@ class BenchRun:
         self.progress.note(f"{status}: {row.id} {preset} {leg}: {detail}")
         self.progress.step(f"{row.id} {preset} {leg}", status)
         return rec
+
+    def _row_failed(self, row, presets, e: Exception) -> None:
+        """Error records for every configuration of `row` that has none yet."""
+        mine = [r for r in self.result.rows if r["row"] == row.id]
+        if row.op != "store" and not any(r["leg"] in ("sdpa", "jax-dpa") for r in mine):
+            self.progress.step(f"{row.id} baselines", "error")
+        done = {(r["preset"], r["leg"]) for r in mine}
+        for preset in presets:
+            for leg in self.legs:
+                if (preset, leg.name) not in done:
+                    self._fail(row, preset, leg.name, "error", f"row set-up failed: {_err(e)}",
+                               trace=traceback.format_exc(limit=6))
 
     def _skip(self, row, presets, reason) -> None:
         if row.op != "store":

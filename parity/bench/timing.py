@@ -71,8 +71,7 @@ class Timing:
 def loop_time(call: Callable[[], object], sync: Callable[[], None], *, smoke: bool = False) -> tuple[Spread, float]:
     """The ``loop`` measure and ``host_us`` of `call` (already warmed up / compiled).
 
-    `call` issues one op and returns its result (kept alive until the sync, so
-    the framework cannot free and reuse buffers mid-loop); `sync` waits for the device.
+    `call` issues one op and returns its result; `sync(result)` waits for the device.
     """
     if smoke:  # interpreters: one call shows the path runs; its time means nothing
         n, repeats = 1, 1
@@ -83,16 +82,14 @@ def loop_time(call: Callable[[], object], sync: Callable[[], None], *, smoke: bo
         n, repeats = max(1, min(MAX_LOOP_CALLS, int(LOOP_TARGET_S / max(one, 1e-6)))), LOOP_REPEATS
     per_call, issue = [], []
     for _ in range(repeats):
-        keep = []
         t0 = time.perf_counter()
         for _ in range(n):
-            keep.append(call())
+            last = call()  # earlier results may be freed: both allocators reuse memory in stream order
         t1 = time.perf_counter()
-        sync(keep[-1])
+        sync(last)
         t2 = time.perf_counter()
         per_call.append((t2 - t0) / n * 1e3)
         issue.append((t1 - t0) / n * 1e6)
-        del keep
     return (Spread(statistics.median(per_call), min(per_call), max(per_call), f"min/max of {repeats}x{n} calls"),
             statistics.median(issue))
 

@@ -64,3 +64,22 @@ def test_list_and_bad_arguments(capsys):
     assert out[-1] == "1 row(s)" and out[0].startswith("store-")
     assert main(["--smoke", "--legs", "cuda"]) == 2
     assert "unknown leg" in capsys.readouterr().err
+
+
+def test_a_wrong_kernel_is_reported_and_not_timed(tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from parity.bench import legs
+
+    real = legs.TorchBench.attention
+
+    def off_by_a_quarter(self, inp, cache, preset):
+        p = real(self, inp, cache, preset)
+        return dataclasses.replace(p, first=lambda: p.first() * 1.25)
+
+    monkeypatch.setattr(legs.TorchBench, "attention", off_by_a_quarter)
+    rc = main(["--smoke", "--filter", "decode-smoke-b1", "--legs", "torch", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 1
+    assert "WRONG: decode-smoke-b1-40-p16" in capsys.readouterr().err
+    (r,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["rows"] if r["leg"] == "torch"]
+    assert r["status"] == "WRONG" and "time_ms" not in r and "attention FAIL" in r["check"]
