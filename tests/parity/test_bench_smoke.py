@@ -83,3 +83,24 @@ def test_a_wrong_kernel_is_reported_and_not_timed(tmp_path, monkeypatch, capsys)
     assert "WRONG: decode-smoke-b1-40-p16" in capsys.readouterr().err
     (r,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["rows"] if r["leg"] == "torch"]
     assert r["status"] == "WRONG" and "time_ms" not in r and "attention FAIL" in r["check"]
+
+
+def test_goal_evaluation_on_synthetic_records():
+    from parity.bench.goals import evaluate
+
+    def rec(row, role, leg, time_ms, speedup, **kw):
+        return {"row": row, "role": role, "preset": "turboquant_4bit_nc", "leg": leg, "status": "ok",
+                "time_ms": time_ms, "loop_ms": time_ms, "speedup_sdpa": speedup, **kw}
+
+    rows = [rec("base", "decode-base", "torch", 1.0, 3.0), rec("base", "decode-base", "jax", 1.2, 2.5),
+            rec("d256", "decode-d256", "torch", 2.0, 2.1), rec("q4", "decode-q4", "torch", 1.4, 2.0),
+            rec("pre", "prefill", "torch", 4.0, 0.5), {**rec("st", "store", "torch", 1.0, None),
+                                                        "store_input_gbps": 1600.0}]
+    got = {(g.goal.metric, g.leg, g.row): g for g in evaluate(rows)}
+    assert got[("speedup", "torch", "base")].met is True and got[("speedup", "jax", "base")].met is True
+    assert abs(got[("speedup_vs_base", "torch", "d256")].measured - 0.7) < 1e-12
+    assert got[("speedup_vs_base", "torch", "d256")].met is False
+    assert abs(got[("time_vs_base", "torch", "q4")].measured - 1.4) < 1e-12
+    assert got[("time_vs_sdpa", "torch", "pre")].measured == 2.0 and got[("time_vs_sdpa", "torch", "pre")].met is False
+    assert got[("store_gbps", "torch", "st")].met is True
+    assert abs(got[("jax_vs_torch", "jax", "base")].measured - 1.2) < 1e-12
