@@ -23,8 +23,8 @@ from . import kernel_math as km
 from .cache_access import CacheWords, WordFields, needs_word_view, to_word_view
 from .decode import DecodeConfig, decode_partials, merge_partials
 from .extend import ExtendConfig, extend_attention
-from .kv_tiles import TileSpec
 from .inputs import array, index_array, not_differentiable
+from .kv_tiles import TileSpec
 from .params import resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
 
@@ -195,6 +195,7 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
 def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
             preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret, word_view,
             poison):
+    """The chosen path's kernels (+ the decode merge): ``[T, Hq, D]``, padding rows unspecified."""
     t, hq, d = query.shape
     hkv = kv_cache.shape[2]
     group = hq // hkv
