@@ -10,7 +10,7 @@ import tq_spec
 from tq_spec import dispatch, validation
 
 from . import config, params
-from . import ops  # noqa: F401  (registers torch.ops.tq_torch.*)
+from . import ops  # also registers torch.ops.tq_torch.*
 
 
 def _expect_tensor(name: str, x) -> None:
@@ -35,6 +35,14 @@ def _check_cache_storage(kv_cache: torch.Tensor) -> None:
         raise ValueError(
             f"kv_cache: expected even strides and an even storage offset (2-byte fields), got strides "
             f"{kv_cache.stride()} and offset {offset}")
+
+
+def _call(op, impl, *args) -> None:
+    """The custom op under `torch.compile` (so it is traced as one node), else its body directly."""
+    if torch.compiler.is_compiling():
+        op(*args)
+    else:
+        impl(*args)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
@@ -63,7 +71,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     _check_same_device(dev, key=key, value=value, slot_mapping=slot_mapping)
     _check_cache_storage(kv_cache)
     kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
-    torch.ops.tq_torch.store_kv(key, value, kv_cache, slot_mapping, p.name, kp.rotation, kp.midpoints)
+    _call(torch.ops.tq_torch.store_kv, ops.store_kv_impl, key, value, kv_cache, slot_mapping, p.name,
+          kp.rotation, kp.midpoints)
     return kv_cache
 
 
@@ -132,7 +141,7 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
         head_dim=d, block_size=kv_cache.shape[1], preset=p.name, sliding_window=sliding_window)
     chosen = dispatch.select_path(problem, path)
     kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
-    torch.ops.tq_torch.paged_attention(
+    _call(torch.ops.tq_torch.paged_attention, ops.paged_attention_impl,
         query, kv_cache, block_table, seq_lens, query_start_loc, out,
         None if sinks is None else sinks.contiguous(), kp.rotation, kp.centroids, p.name,
         float(1.0 / math.sqrt(d) if scale is None else scale),

@@ -1,17 +1,27 @@
 """Device functions shared by the attention kernels: page addressing, K/V tile
-dequantisation and the online-softmax loop over a key range.
+fetch and dequantisation, and the online-softmax loop over a key range.
 
 Conventions (both kernels):
 * A tile of ``BLOCK_M`` rows serves several query heads of one GQA group (and,
   when it fits, several query tokens): row ``r`` is token ``r // G``, group
   head ``r % G``. Every K/V element is dequantised once per tile and used by
   all its rows through ``tl.dot``.
+* Packed fields are read as whole 16-bit words (slots are only 2-byte
+  aligned) with a warp's lanes along one slot, so a warp reads contiguous
+  bytes; each byte is read once and split into codes in registers.
+* For packed formats the key loop is software-pipelined by hand
+  (``PREFETCH``): while tile ``i`` is computed, the raw words of tile
+  ``i + 1`` and the block ids of tile ``i + 2`` are in flight. (Triton's own
+  pipeliner cannot stage 2-byte loads through cp.async, and staging the
+  centroid gather through shared memory is what made the earlier kernel
+  slow.) Raw 16-bit tiles use Triton's pipeliner instead.
 * Scores live in the log2 domain (``s * log2(e)``) so the softmax uses exp2;
   ``m`` (running max) is -inf until a row sees a key, guarded so -inf - -inf
   never produces NaN.
 * Loads of keys outside ``[k_lo, k_hi)`` are masked (pages the sequence does
-  not own are never touched), and the dequantised V tile is zeroed with
-  ``tl.where`` on invalid keys so garbage (NaN/Inf) bytes cannot reach P @ V as
+  not own are never touched); values enter P @ V through ``P * scale`` and
+  ``P @ zero`` with P zeroed where a key is not visible, so garbage (NaN/Inf)
+  scales, zeros or raw values of masked keys cannot reach the output as
   ``0 * NaN``.
 """
 
@@ -20,104 +30,189 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tl_math import dot, dot_operand, tanh_f32
+from .tl_math import dot, dot_operand, table_lookup, tanh_f32
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
 
 @triton.jit
-def slot_byte_offsets(bt_ptr, bt_row, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
-                      page_size):
-    """int64 byte offset of the slot of each key position (``keys [BN]``) of one sequence."""
-    # Page size is a runtime value (one compiled kernel serves every page
-    # size); the division is per key, not per element.
-    page = keys // page_size
-    blk = tl.load(bt_ptr + bt_row + page, mask=key_valid, other=0).to(tl.int64)
-    return blk * stride_cn + (keys - page * page_size).to(tl.int64) * stride_cp + kv_head * stride_ch
+def load_block_ids(bt_ptr, bt_row, keys, key_valid, PAGE_SIZE: tl.constexpr):
+    """Raw block ids ``[BN]`` int32 of key positions ``keys`` (0 where invalid)."""
+    # The page size is a constexpr (one compile per page size): a division by
+    # a runtime value costs ~20 integer instructions per key.
+    return tl.load(bt_ptr + bt_row + keys // PAGE_SIZE, mask=key_valid, other=0)
 
 
 @triton.jit
-def unpack_codes(cache_u8, field_base, d, mask, BITS: tl.constexpr):
-    """Codes ``[BN, D_PAD]`` of an LSB-first ``BITS``-bit stream starting at ``field_base [BN]``.
+def slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE: tl.constexpr):
+    """int64 byte offset of the slot of each key position (``keys [BN]``, block ids ``blk``)."""
+    return (blk.to(tl.int64) * stride_cn + (keys % PAGE_SIZE).to(tl.int64) * stride_cp
+            + kv_head * stride_ch)
 
-    A code may straddle two bytes when BITS does not divide 8; the second byte
-    is then read too (it lies inside the slot: a field always follows).
+
+@triton.jit
+def _interleave(a, b):
+    """``[BN, W]`` x 2 -> ``[BN, 2W]`` with ``a`` in even and ``b`` in odd columns.
+
+    `tl.join` adds the new axis innermost, inside one thread's registers, so
+    the reshape moves no data.
     """
-    bit = d * BITS
-    byte = (bit >> 3)[None, :]
-    shift = (bit & 7)[None, :]
-    addr = field_base[:, None] + byte
-    word = tl.load(cache_u8 + addr, mask=mask, other=0).to(tl.int32)
-    if (8 % BITS) != 0:
-        straddle = mask & ((shift + BITS) > 8)
-        word = word | (tl.load(cache_u8 + addr + 1, mask=straddle, other=0).to(tl.int32) << 8)
-    return (word >> shift) & ((1 << BITS) - 1)
+    BN: tl.constexpr = a.shape[0]
+    W: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.join(a, b), (BN, 2 * W))
 
 
 @triton.jit
-def load_fp16_field(cache_i16, byte_offset, mask):
-    """fp16 field (little-endian, even offset) -> fp32; 0 where masked."""
-    bits = tl.load(cache_i16 + byte_offset // 2, mask=mask, other=0)
+def _interleave_quads(a, b):
+    """``[BN, 4W]`` x 2 -> ``[BN, 8W]``: per group of 8 columns, ``a``'s 4 then ``b``'s 4."""
+    BN: tl.constexpr = a.shape[0]
+    W4: tl.constexpr = a.shape[1]
+    a3 = tl.reshape(a, (BN, W4 // 4, 4))
+    b3 = tl.reshape(b, (BN, W4 // 4, 4))
+    return tl.reshape(tl.permute(tl.join(a3, b3), (0, 1, 3, 2)), (BN, 2 * W4))
+
+
+@triton.jit
+def fetch_field(cache_u8, cache_i16, field_base, key_valid, D: tl.constexpr, D_PAD: tl.constexpr,
+                BITS: tl.constexpr):
+    """Issues the loads of one packed field of ``BN`` keys; returns the raw words ``(a, b, c)``.
+
+    ``field_base [BN]``: even byte offsets. ``BITS`` 16 (raw fp16/bf16
+    elements), 8 (fp8) or 4: 16-bit words ``a [BN, D_PAD * BITS / 16]`` (``b``,
+    ``c`` alias ``a``). ``BITS`` 3: 8 codes per 3 unaligned bytes, so three
+    byte planes ``[BN, D_PAD / 8]``. Nothing here uses the loaded values, so
+    the loads stay in flight until `decode_field`. ``D`` is a multiple of 8,
+    so every field is a whole number of words.
+    """
+    if BITS == 3:
+        g = tl.arange(0, D_PAD // 8)
+        m = key_valid[:, None] & (g < D // 8)[None, :]
+        addr = cache_u8 + field_base[:, None] + (3 * g)[None, :]
+        a = tl.load(addr, mask=m, other=0)
+        b = tl.load(addr + 1, mask=m, other=0)
+        c = tl.load(addr + 2, mask=m, other=0)
+        return a, b, c
+    else:
+        NW: tl.constexpr = D_PAD * BITS // 16
+        i = tl.arange(0, NW)
+        m = key_valid[:, None] & (i < D * BITS // 16)[None, :]
+        a = tl.load(cache_i16 + (field_base // 2)[:, None] + i[None, :], mask=m, other=0)
+        return a, a, a
+
+
+@triton.jit
+def decode_field(a, b, c, BITS: tl.constexpr):
+    """Codes ``[BN, D_PAD]`` int32 in element order from `fetch_field`'s raw words.
+
+    (``BITS`` 16 returns the raw 16-bit patterns.) Codes are an LSB-first bit
+    stream: word ``i``'s field ``j`` is element ``i * fields + j``.
+    """
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if BITS == 16:
+        return a
+    elif BITS == 8:
+        w = a.to(tl.int32)
+        return _interleave(w & MASK, (w >> 8) & MASK)
+    elif BITS == 4:
+        w = a.to(tl.int32)
+        return _interleave(_interleave(w & MASK, (w >> 8) & MASK),
+                           _interleave((w >> 4) & MASK, (w >> 12) & MASK))
+    else:  # 3 bits: 8 fields of a 24-bit little-endian word
+        w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
+        lo = _interleave(_interleave(w & MASK, (w >> 6) & MASK), _interleave((w >> 3) & MASK, (w >> 9) & MASK))
+        hi = _interleave(_interleave((w >> 12) & MASK, (w >> 18) & MASK),
+                         _interleave((w >> 15) & MASK, (w >> 21) & MASK))
+        return _interleave_quads(lo, hi)
+
+
+@triton.jit
+def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
+                  D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr,
+                  KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
+                  VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr):
+    """Issues every load of a K/V tile (slots ``[BN]``); returns the raw words for `decode_*`.
+
+    ``*_FIELD_BITS``: bits per stored element (raw 16, fp8 8, codes 3 or 4).
+    """
+    ka, kb, kc = fetch_field(cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FIELD_BITS)
+    if KEY_FORMAT == 2:
+        knorm = tl.load(cache_i16 + (slot + KEY_NORM_OFF) // 2, mask=key_valid, other=0)
+    else:
+        knorm = tl.zeros(key_valid.shape, tl.int16)
+    va, vb, vc = fetch_field(cache_u8, cache_i16, slot + VALUE_OFF, key_valid, D, D_PAD, VALUE_FIELD_BITS)
+    if VALUE_FORMAT == 0:
+        vscale = tl.zeros(key_valid.shape, tl.int16)
+        vzero = vscale
+    else:
+        vscale = tl.load(cache_i16 + (slot + VALUE_SCALE_OFF) // 2, mask=key_valid, other=0)
+        vzero = tl.load(cache_i16 + (slot + VALUE_ZERO_OFF) // 2, mask=key_valid, other=0)
+    return ka, kb, kc, knorm, va, vb, vc, vscale, vzero
+
+
+@triton.jit
+def _fp16_bits_to_f32(bits):
     return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def load_key_tile(cache_u8, cache_i16, cb_ptr, slot, key_valid, d,
-                  D: tl.constexpr, KEY_FORMAT: tl.constexpr, KEY_BITS: tl.constexpr,
-                  NORM_CORRECTION: tl.constexpr, KEY_NORM_OFF: tl.constexpr, RAW_DTYPE: tl.constexpr):
+def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid,
+                    KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+                    RAW_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """Keys in scoring space: ``(k [BN, D_PAD] fp32, per-key factor [BN] fp32)``.
 
     score = factor * (q . k). Raw/fp8 keys: factor 1. mse keys: ``k`` holds the
-    gathered centroids and factor is ``norm`` (``norm / ||c||`` with norm
-    correction), so the per-key scaling is one multiply after the dot.
+    centroids and factor is ``norm`` (``norm / ||c||`` with norm correction),
+    so the per-key scaling is one multiply after the dot.
     """
-    mask = key_valid[:, None] & (d < D)[None, :]
+    codes = decode_field(ka, kb, kc, KEY_FIELD_BITS)
     if KEY_FORMAT == 0:
-        bits = tl.load(cache_i16 + (slot // 2)[:, None] + d[None, :], mask=mask, other=0)
-        k = bits.to(RAW_DTYPE, bitcast=True).to(tl.float32)
+        k = codes.to(RAW_DTYPE, bitcast=True).to(tl.float32)
         factor = tl.full(key_valid.shape, 1.0, tl.float32)
     elif KEY_FORMAT == 1:
-        b8 = tl.load(cache_u8 + slot[:, None] + d[None, :], mask=mask, other=0)
-        k = b8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         factor = tl.full(key_valid.shape, 1.0, tl.float32)
     else:
-        codes = unpack_codes(cache_u8, slot, d, mask, KEY_BITS)
-        k = tl.load(cb_ptr + codes)
-        factor = load_fp16_field(cache_i16, slot + KEY_NORM_OFF, key_valid)
+        k = table_lookup(cb_ptr, codes, INTERPRET)
+        factor = _fp16_bits_to_f32(knorm)
         if NORM_CORRECTION:
-            factor = tl.math.div_rn(factor, tl.sqrt_rn(tl.sum(k * k, axis=1)))
+            # rsqrt is within 2 ulp: far below the bf16 rounding of k that follows.
+            factor = factor * tl.math.rsqrt(tl.sum(k * k, axis=1))
     return k, factor
 
 
 @triton.jit
-def load_value_tile(cache_u8, cache_i16, slot, key_valid, d,
-                    D: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_BITS: tl.constexpr,
-                    VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
-                    VALUE_ZERO_OFF: tl.constexpr, RAW_DTYPE: tl.constexpr):
-    """Values ``[BN, D_PAD]`` fp32 (``code * scale16 + zero16``); exactly 0 on invalid keys."""
-    mask = key_valid[:, None] & (d < D)[None, :]
+def decode_value_tile(va, vb, vc, vscale, vzero, key_valid,
+                      VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr, RAW_DTYPE: tl.constexpr):
+    """Values as ``(v [BN, D_PAD] fp32, scale [BN], zero [BN])`` with ``value = v * scale + zero``.
+
+    Uniform codes come back as the integer codes (exact in any dot dtype) and
+    the fp16 scale/zero per key, so the caller folds the scale into P and the
+    zero into one row sum instead of dequantising every element. Raw values
+    come back as they are with scale 1, zero 0 (0 for invalid keys).
+    """
     if VALUE_FORMAT == 0:
-        bits = tl.load(cache_i16 + ((slot + VALUE_OFF) // 2)[:, None] + d[None, :], mask=mask, other=0)
-        v = bits.to(RAW_DTYPE, bitcast=True).to(tl.float32)
+        v = decode_field(va, vb, vc, VALUE_FIELD_BITS).to(RAW_DTYPE, bitcast=True).to(tl.float32)
+        # where, not multiply: a garbage raw value may be NaN or Inf.
+        v = tl.where(key_valid[:, None], v, 0.0)
+        scale = tl.full(key_valid.shape, 1.0, tl.float32)
+        zero = tl.zeros(key_valid.shape, tl.float32)
     else:
-        codes = unpack_codes(cache_u8, slot + VALUE_OFF, d, mask, VALUE_BITS).to(tl.float32)
-        scale = load_fp16_field(cache_i16, slot + VALUE_SCALE_OFF, key_valid)
-        zero = load_fp16_field(cache_i16, slot + VALUE_ZERO_OFF, key_valid)
-        v = codes * scale[:, None] + zero[:, None]
-    # where, not multiply: a garbage scale/zero/raw value may be NaN or Inf.
-    return tl.where(mask, v, 0.0)
+        v = decode_field(va, vb, vc, VALUE_FIELD_BITS).to(tl.float32)
+        scale = _fp16_bits_to_f32(vscale)
+        zero = _fp16_bits_to_f32(vzero)
+    return v, scale, zero
 
 
 @triton.jit
 def attend_key_range(
     q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-    stride_cn, stride_cp, stride_ch, page_size, sm_scale, softcap, window,
-    BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    KEY_FORMAT: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-    KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_BITS: tl.constexpr,
+    stride_cn, stride_cp, stride_ch, sm_scale, softcap, window,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
-    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Online softmax of rows ``q [BLOCK_M, D_PAD]`` over keys ``[k_lo, k_hi)`` of one sequence.
 
@@ -126,15 +221,42 @@ def attend_key_range(
     ``softcap > 0`` enables the soft cap. Both are runtime scalars (uniform
     branches): one compiled kernel serves every masking variant. Returns the
     updated ``(acc [BLOCK_M, D_PAD], m_i, l_i)`` (unnormalised, log2 domain).
+    ``PREFETCH``: hand-pipeline the loads one tile ahead (else Triton's
+    pipeliner may, with ``num_stages`` > 1).
     """
-    d = tl.arange(0, D_PAD)
-    for start in range(k_lo, k_hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
+    lane = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # Prologue of the hand pipeline: tile 0's words, tile 1's block ids.
+        keys = k_lo + lane
         key_valid = keys < k_hi
-        slot = slot_byte_offsets(bt_ptr, bt_row, keys, key_valid, kv_head,
-                                 stride_cn, stride_cp, stride_ch, page_size)
-        k, k_factor = load_key_tile(cache_u8, cache_i16, cb_ptr, slot, key_valid, d,
-                                    D, KEY_FORMAT, KEY_BITS, NORM_CORRECTION, KEY_NORM_OFF, RAW_DTYPE)
+        blk = load_block_ids(bt_ptr, bt_row, keys, key_valid, PAGE_SIZE)
+        slot = slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
+        ka, kb, kc, knorm, va, vb, vc, vscale, vzero = fetch_kv_tile(
+            cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+            VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
+        blk_next = load_block_ids(bt_ptr, bt_row, keys + BLOCK_N, (keys + BLOCK_N) < k_hi, PAGE_SIZE)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        keys = start + lane
+        key_valid = keys < k_hi
+        if PREFETCH:
+            # Tile i+1's words (its block ids arrived during tile i-1) and
+            # tile i+2's block ids, all in flight while tile i is computed.
+            keys_n = keys + BLOCK_N
+            valid_n = keys_n < k_hi
+            slot_n = slot_byte_offsets(blk_next, keys_n, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
+            ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n = fetch_kv_tile(
+                cache_u8, cache_i16, slot_n, valid_n, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+                VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
+            blk_next = load_block_ids(bt_ptr, bt_row, keys_n + BLOCK_N, (keys_n + BLOCK_N) < k_hi, PAGE_SIZE)
+        else:
+            blk = load_block_ids(bt_ptr, bt_row, keys, key_valid, PAGE_SIZE)
+            slot = slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
+            ka, kb, kc, knorm, va, vb, vc, vscale, vzero = fetch_kv_tile(
+                cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+                VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
+
+        k, k_factor = decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, KEY_FORMAT, KEY_FIELD_BITS,
+                                      NORM_CORRECTION, RAW_DTYPE, INTERPRET)
         s = dot(q, tl.trans(dot_operand(k, DOT_DTYPE, INTERPRET)), DOT_DTYPE, INTERPRET)
         s = s * (k_factor * sm_scale)[None, :]
         if softcap > 0:
@@ -150,12 +272,20 @@ def attend_key_range(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_value_tile(cache_u8, cache_i16, slot, key_valid, d, D, VALUE_FORMAT, VALUE_BITS,
-                            VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE)
-        pv = dot(dot_operand(p, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
+        v, v_scale, v_zero = decode_value_tile(va, vb, vc, vscale, vzero, key_valid, VALUE_FORMAT,
+                                               VALUE_FIELD_BITS, RAW_DTYPE)
+        # P @ (codes * scale + zero) = (P * scale) @ codes + P @ zero. `where`
+        # on the visibility, not the product alone: a masked key's garbage
+        # scale or zero (NaN/Inf) must not reach the output as 0 * NaN.
+        p_v = tl.where(visible, p * v_scale[None, :], 0.0)
+        pv = dot(dot_operand(p_v, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
                  DOT_DTYPE, INTERPRET)
+        if VALUE_FORMAT != 0:
+            pv += tl.sum(tl.where(visible, p * v_zero[None, :], 0.0), axis=1)[:, None]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        if PREFETCH:
+            ka, kb, kc, knorm, va, vb, vc, vscale, vzero = ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n
     return acc, m_i, l_i
 
 

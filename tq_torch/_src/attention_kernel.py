@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import config
 from .attend import LOG2E, attend_key_range, load_query_rows
 from .tl_math import to_dtype_rne
 
@@ -35,13 +36,13 @@ def paged_attention_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     cache_u8, cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cn, stride_cp, stride_ch,
-    page_size, sm_scale, softcap, window, num_seqs, group, block_q, num_q_heads, num_splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    KEY_FORMAT: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-    KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_BITS: tl.constexpr,
+    sm_scale, softcap, window, num_seqs, group, block_q, num_q_heads, num_splits,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
     RAW_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT_KV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -83,10 +84,10 @@ def paged_attention_kernel(
         acc, m_i, l_i = attend_key_range(
             q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi,
             bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_u8, cache_i16, cb_ptr,
-            stride_cn, stride_cp, stride_ch, page_size, sm_scale, softcap, window,
-            BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_BITS, NORM_CORRECTION, KEY_NORM_OFF,
-            VALUE_FORMAT, VALUE_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-            DOT_DTYPE, INTERPRET,
+            stride_cn, stride_cp, stride_ch, sm_scale, softcap, window,
+            PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
+            VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
+            DOT_DTYPE, PREFETCH, INTERPRET,
         )
         t_idx = (q_start + tok).to(tl.int64)
         dmask = row_valid[:, None] & (d < D)[None, :]
@@ -111,7 +112,7 @@ def paged_attention_kernel(
 def launch_tiles(q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
                  query_start_loc, sinks, *, num_splits: int, split_kv: bool, fmt: dict, sm_scale: float,
                  softcap: float, window: int, block_m: int, block_n: int, d_pad: int, dot_dtype, out_dtype,
-                 interpret: bool, num_warps: int) -> None:
+                 interpret: bool, num_warps: int, num_stages: int, maxnreg, prefetch: bool) -> None:
     """Launches `paged_attention_kernel` over every (tile, kv head, split)."""
     t, hq, _ = q.shape
     num_seqs = block_table.shape[0]
@@ -125,7 +126,10 @@ def launch_tiles(q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroid
         query_start_loc, sinks if sinks is not None else q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.shape[1], sm_scale, softcap, window, num_seqs, g, block_q, hq, num_splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=sinks is not None, SPLIT_KV=split_kv,
-        DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, INTERPRET=interpret, num_warps=num_warps, **fmt,
+        sm_scale, softcap, window, num_seqs, g, block_q, hq, num_splits,
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=sinks is not None,
+        SPLIT_KV=split_kv,
+        DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, PREFETCH=prefetch, INTERPRET=interpret, num_warps=num_warps,
+        num_stages=num_stages,
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)), **config.field_bits_constexprs(fmt),
     )

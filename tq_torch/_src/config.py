@@ -87,6 +87,19 @@ def format_constexprs(layout: tq_spec.Layout) -> dict:
     )
 
 
+def field_bits_constexprs(fmt: dict) -> dict:
+    """`format_constexprs` for the attention kernels: bits per stored K/V element.
+
+    Raw elements are 16 bits, fp8 keys 8, codes their width; passed as
+    constexprs because Triton 3.6 does not fold a jit helper's return value
+    into a constexpr.
+    """
+    out = {k: v for k, v in fmt.items() if k not in ("KEY_BITS", "VALUE_BITS")}
+    out["KEY_FIELD_BITS"] = {KEY_RAW: 16, KEY_FP8: 8}.get(fmt["KEY_FORMAT"], fmt["KEY_BITS"])
+    out["VALUE_FIELD_BITS"] = 16 if fmt["VALUE_FORMAT"] == VALUE_RAW else fmt["VALUE_BITS"]
+    return out
+
+
 # --------------------------------------------------------------------------- tiles
 
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast
@@ -99,15 +112,55 @@ _PARTIALS_BUDGET = 256 << 20
 _MAX_SPLITS = 64
 
 
-def attention_tiles(d_pad: int, interpret: bool) -> dict:
-    """Key-tile width, extend row-tile height and warps for a padded head dim."""
+# Tile settings per path and key format, chosen by measurement (H100, B=32 x
+# 8k decode and an 8k prefill at D=128; see BENCHMARKS.md). Keys "mse4"/"mse3"
+# are the codebook widths, "fp8" and "raw" the other key formats.
+# `prefetch`: the hand-pipelined key loop (packed 2-byte words cannot go
+# through Triton's cp.async pipeliner); raw 16-bit tiles instead take
+# Triton's pipeliner with `num_stages`.
+_TILES_D128 = {
+    "decode": {
+        "mse4": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=None, programs_per_sm=4, prefetch=True),
+        "mse3": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=None, programs_per_sm=4, prefetch=True),
+        "fp8": dict(block_n=16, num_warps=4, num_stages=1, maxnreg=128, programs_per_sm=8, prefetch=True),
+        "raw": dict(block_n=32, num_warps=4, num_stages=3, maxnreg=None, programs_per_sm=4, prefetch=False),
+    },
+    "extend": {
+        "mse4": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
+        "mse3": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
+        "fp8": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
+        "raw": dict(block_n=64, extend_block_m=128, num_warps=8, num_stages=2, maxnreg=None, prefetch=False),
+    },
+}
+# `TUNING_OVERRIDES[path]` replaces any setting, for tuning runs only (then call
+# `ops._attention_setup.cache_clear()`: launch settings are cached per format).
+TUNING_OVERRIDES: dict = {"decode": {}, "extend": {}}
+
+
+def key_kind(fmt: dict) -> str:
+    """"mse4", "mse3", "fp8" or "raw": the key format as the tile table names it."""
+    if fmt["KEY_FORMAT"] == KEY_MSE:
+        return f"mse{fmt['KEY_BITS']}"
+    return "fp8" if fmt["KEY_FORMAT"] == KEY_FP8 else "raw"
+
+
+def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str = "raw") -> dict:
+    """Tile settings of a path: key-tile width, extend row-tile height, warps, stages, register cap.
+
+    ``kind`` is `key_kind` of the preset. Head dims above 128 keep smaller
+    key tiles (registers); they have not been tuned separately.
+    """
+    base = dict(extend_block_m=64, maxnreg=None, programs_per_sm=4, prefetch=True)
     if interpret:
-        return dict(block_n=_INTERPRET_BLOCK_N, extend_block_m=_INTERPRET_EXTEND_BLOCK_M, num_warps=4)
-    if d_pad <= 128:
-        return dict(block_n=64, extend_block_m=64, num_warps=4)
-    if d_pad <= 256:
-        return dict(block_n=32, extend_block_m=64, num_warps=8)
-    return dict(block_n=16, extend_block_m=32, num_warps=8)
+        return dict(base, block_n=_INTERPRET_BLOCK_N, extend_block_m=_INTERPRET_EXTEND_BLOCK_M, num_warps=4,
+                    num_stages=1)
+    tiles = dict(base, **_TILES_D128[path][kind])
+    if d_pad > 128:
+        tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, maxnreg=None)
+        if path == "extend":
+            tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
+    tiles.update(TUNING_OVERRIDES.get(path, {}))
+    return tiles
 
 
 def decode_block_m(group_size: int) -> int:
@@ -117,10 +170,10 @@ def decode_block_m(group_size: int) -> int:
 
 def decode_num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int,
                       head_dim: int, max_context: int, block_n: int, device: torch.device,
-                      interpret: bool) -> int:
+                      interpret: bool, programs_per_sm: int = 4) -> int:
     """Splits of the decode path, from static shapes only (CUDA-graph safe).
 
-    Enough (seq, kv head, split) programs to fill the GPU about twice, no more
+    Enough (seq, kv head, split) programs to fill the GPU ``programs_per_sm`` times, no more
     splits than key tiles a sequence can have, and partial buffers kept under
     a fixed budget.
     """
@@ -129,7 +182,7 @@ def decode_num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_
         want = 4  # exercises the merge, including empty splits on short sequences
     else:
         programs = max(1, num_seqs * num_kv_heads)
-        want = -(-2 * sm_count(device) // programs)
+        want = -(-programs_per_sm * sm_count(device) // programs)
     splits = max(1, min(want, max_tiles, _MAX_SPLITS))
     per_split = max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
     while splits > 1 and splits * per_split > _PARTIALS_BUDGET:

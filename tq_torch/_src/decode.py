@@ -29,8 +29,8 @@ from .tl_math import to_dtype_rne
 
 @triton.jit
 def _decode_merge_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
-    num_q_heads, num_splits, SPLITS_PAD: tl.constexpr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, qsl_ptr, stride_ot, stride_oh,
+    num_q_heads, num_splits, num_seqs, SPLITS_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
     OUT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -38,7 +38,10 @@ def _decode_merge_kernel(
     head = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
-    smask = s < num_splits
+    # Rows past query_start_loc[B] are padding (CUDA-graph / bucketed batches):
+    # no split wrote their partials, so they read nothing and come out zero.
+    real = tok < tl.load(qsl_ptr + num_seqs)
+    smask = s < tl.where(real, num_splits, 0)
     part = (tok * num_q_heads + head) * num_splits + s
     m = tl.load(part_m_ptr + part, mask=smask, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=smask, other=0.0)
@@ -57,6 +60,7 @@ def _decode_merge_kernel(
     o = tl.sum(w[:, None] * acc, axis=0)
     denom_v = tl.zeros_like(o) + denom
     o = tl.where(denom_v > 0.0, tl.math.div_rn(o, tl.where(denom_v > 0.0, denom_v, 1.0)), 0.0)
+    o = tl.where(real, o, 0.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, to_dtype_rne(o, OUT_DTYPE, INTERPRET),
              mask=d < D)
 
@@ -66,15 +70,18 @@ def launch_decode(q, out, kv_cache, cache_i16, centroids, block_table, seq_lens,
     """Launches split + merge. ``q`` is the (rotated) query ``[T, Hq, D]``; ``out`` is written in full."""
     t, hq, d = q.shape
     dev = q.device
-    part_acc = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=dev)
-    part_m = torch.empty((t, hq, num_splits), dtype=torch.float32, device=dev)
-    part_l = torch.empty((t, hq, num_splits), dtype=torch.float32, device=dev)
+    # One allocation for the three partial buffers (host time matters at B=1).
+    rows = t * hq * num_splits
+    parts = torch.empty(rows * (d + 2), dtype=torch.float32, device=dev)
+    part_acc = parts[: rows * d].view(t, hq, num_splits, d)
+    part_m = parts[rows * d: rows * (d + 1)].view(t, hq, num_splits)
+    part_l = parts[rows * (d + 1):].view(t, hq, num_splits)
     launch_tiles(q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
                  query_start_loc, sinks, num_splits=num_splits, split_kv=True, block_m=block_m, **common)
     splits_pad = max(2, 1 << (num_splits - 1).bit_length())
     _decode_merge_kernel[(t, hq)](
-        part_acc, part_m, part_l, sinks if sinks is not None else part_m, out,
-        out.stride(0), out.stride(1), hq, num_splits,
+        part_acc, part_m, part_l, sinks if sinks is not None else part_m, out, query_start_loc,
+        out.stride(0), out.stride(1), hq, num_splits, block_table.shape[0],
         SPLITS_PAD=splits_pad, D=d, D_PAD=common["d_pad"],
         HAS_SINKS=sinks is not None, OUT_DTYPE=common["out_dtype"], INTERPRET=common["interpret"],
         num_warps=4,

@@ -55,6 +55,14 @@ def default_rotation(preset_name: str, head_dim: int, device: torch.device) -> t
     return _cached(("rotation", preset_name, head_dim, str(device)), lambda: _to_device(qp.rotation, device))
 
 
+def default_rotation_f64_t(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
+    """`default_rotation` (float32 values) as float64, transposed: ``[D, D]`` for ``q @ Pi^T``."""
+    qp = tq_spec.quant_params(preset_name, head_dim)
+    return _cached(("rotation_f64_t", preset_name, head_dim, str(device)),
+                   lambda: torch.from_numpy(np.array(qp.rotation, dtype=np.float32).astype(np.float64).T.copy())
+                   .to(device))
+
+
 def default_centroids(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
     qp = tq_spec.quant_params(preset_name, head_dim)
     return _cached(("centroids", preset_name, head_dim, str(device)),

@@ -81,6 +81,23 @@ def dot(a, b, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def table_lookup(table_ptr, index, INTERPRET: tl.constexpr):
+    """``table_ptr[index]`` (fp32) for a small table read through the read-only cache.
+
+    On the GPU this is an inline load rather than `tl.load` so that Triton's
+    software pipeliner does not stage the gathered tile through a
+    bank-conflicted shared-memory ring (it pipelines every `tl.load` that
+    feeds a dot); a 16-entry table stays in one L1 line instead.
+    """
+    if INTERPRET:
+        return tl.load(table_ptr + index)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.f32 $0, [$1];", "=r,l", [table_ptr + index],
+            dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def tanh_f32(x):
     """Accurate fp32 tanh (a few ulp) from exp, odd Taylor series near zero.
 
