@@ -238,8 +238,9 @@ def step_metadata(state: PageState, seq_ids, new_tokens, *, num_tokens: int) -> 
         rows past the real tokens are padding (slot -1, position 0).
 
     Returns:
-      `StepMetadata` (see there). Rows beyond T (a step larger than its
-      bucket) are not represented: size the bucket on the host.
+      `StepMetadata` (see there). ``sum(new_tokens)`` must not exceed T (not
+      checked on device: pick the bucket on the host, where the counts are
+      known; `PageAllocator.step` checks it).
     """
     _, sid, valid, n = _requests(seq_ids, new_tokens)
     p = state.page_size
@@ -273,9 +274,18 @@ class PageAllocator:
         self.state = init_pages(num_pages, max_seqs, max_pages_per_seq, page_size)
 
     def step(self, seq_ids, new_tokens, *, num_tokens: int) -> StepMetadata:
-        """`append` then `step_metadata`; RuntimeError (state unchanged) when pages run out."""
-        state, ok, meta = _step(self.state, np.asarray(seq_ids, np.int32), np.asarray(new_tokens, np.int32),
-                                num_tokens=int(num_tokens))
+        """`append` then `step_metadata`; RuntimeError (state unchanged) when pages run out.
+
+        Raises:
+          ValueError: mismatched lengths, or more new tokens than ``num_tokens`` rows.
+        """
+        seq_ids, new_tokens = np.asarray(seq_ids, np.int32), np.asarray(new_tokens, np.int32)
+        if seq_ids.shape != new_tokens.shape or seq_ids.ndim != 1:
+            raise ValueError(f"new_tokens: expected one count per sequence id {list(seq_ids)}, got {list(new_tokens)}")
+        real = int(new_tokens[seq_ids >= 0].sum())
+        if real > num_tokens:
+            raise ValueError(f"num_tokens: the step has {real} new tokens, more than the {num_tokens} rows")
+        state, ok, meta = _step(self.state, seq_ids, new_tokens, num_tokens=int(num_tokens))
         if not bool(ok):
             raise RuntimeError(
                 f"PageAllocator: not enough free pages ({int(self.state.num_free)} free) or block-table "

@@ -28,8 +28,9 @@ from tqjax_cases import attend, attention_failure, build_attention_case
 PATHS = tq_spec.dispatch.PATH_NAMES
 
 
-def _case(seed, *, preset="turboquant_4bit_nc", seq_lens=(9, 0, 5, 6, 0), q_lens=(3, 0, 1, 6, 0), **kw):
-    """A mixed batch (decode, prefill, continuation) with q_len-0/seq_len-0 padding requests."""
+def _case(seed, *, preset="turboquant_4bit_nc", seq_lens=(9, 0, 5, 4, 6, 0), q_lens=(3, 0, 1, 0, 6, 0), **kw):
+    """A mixed batch (continuation, decode, prefill) with q_len-0/seq_len-0 padding requests and an
+    unscheduled sequence (q_len 0, seq_len 4)."""
     return build_attention_case(np.random.default_rng(seed), preset=preset, head_dim=64, num_q_heads=4,
                                 num_kv_heads=2, block_size=4, seq_lens=list(seq_lens), q_lens=list(q_lens),
                                 **kw)

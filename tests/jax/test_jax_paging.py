@@ -144,6 +144,8 @@ def test_page_allocator_host_wrapper():
     with pytest.raises(RuntimeError, match="not enough free pages"):
         alloc.step([1], [8], num_tokens=8)
     assert alloc.num_free == 1
+    with pytest.raises(ValueError, match="num_tokens"):
+        alloc.step([1], [9], num_tokens=8)
     alloc.share_prefix(0, 1, 5)  # one whole page shared
     alloc.release([0])
     assert alloc.num_free == 2 and list(np.asarray(alloc.state.ref_counts)) == [1, 0, 0]
