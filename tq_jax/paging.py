@@ -8,9 +8,10 @@ on the host, and never changes a shape (no recompilation as sequences grow).
   stack of free page ids; ``page_table[s, :num_pages[s]]`` are the pages of
   sequence slot ``s`` in order; ``seq_lens[s]`` its tokens; ``ref_counts[p]``
   how many sequences hold page ``p`` (prefix sharing).
-* `init_pages`, `reserve`, `append`, `release`, `share_prefix`: pure functions
-  ``state -> state`` (plus an ``ok`` flag where allocation can fail: then the
-  state is returned unchanged, all or nothing).
+* `init_pages`, `reserve`, `append`, `release`, `share_prefix`,
+  `release_out_of_window`: pure functions ``state -> state`` (plus an ``ok``
+  flag where allocation can fail: then the state is returned unchanged, all
+  or nothing).
 * `step_metadata`: a step's (sequences, new token counts) -> `StepMetadata`,
   the arguments of `tq_jax.store_kv` / `tq_jax.paged_attention` plus positions
   and last-token indices, padded to a bucketed token count ``T``: padding
@@ -33,6 +34,7 @@ unique.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -41,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "PageAllocator", "PageState", "StepMetadata", "append", "init_pages", "release", "reserve", "share_prefix",
-    "step_metadata",
+    "PageAllocator", "PageState", "StepMetadata", "append", "init_pages", "release", "release_out_of_window",
+    "reserve", "share_prefix", "step_metadata",
 ]
 
 
@@ -54,9 +56,13 @@ class PageState:
       free_pages: ``int32[N]``; entries ``[0, num_free)`` are the free page ids (a stack).
       num_free: ``int32[]``.
       ref_counts: ``int32[N]``: sequences holding each page (0 for free pages).
-      page_table: ``int32[S, max_pages]``: pages of each sequence slot; entries
-        past ``num_pages[s]`` are 0 (a valid id, never read by the kernels).
-      num_pages: ``int32[S]``; seq_lens: ``int32[S]`` (tokens per sequence slot).
+      page_table: ``int32[S, max_pages]``: pages of each sequence slot (column
+        ``c`` holds positions ``[c * P, (c + 1) * P)``); entries past
+        ``num_pages[s]`` are 0 and entries before ``first_page[s]`` are stale
+        ids (valid, so reads stay inside the cache; the kernels mask them).
+      num_pages: ``int32[S]``: columns in use; seq_lens: ``int32[S]`` (tokens).
+      first_page: ``int32[S]``: columns before it were released by
+        `release_out_of_window`; the sequence holds columns ``[first_page, num_pages)``.
       page_size: P, tokens per page (static).
     """
 
@@ -66,6 +72,7 @@ class PageState:
     page_table: jax.Array
     num_pages: jax.Array
     seq_lens: jax.Array
+    first_page: jax.Array
     page_size: int
 
     @property
@@ -74,8 +81,8 @@ class PageState:
 
 
 jax.tree_util.register_dataclass(
-    PageState, data_fields=["free_pages", "num_free", "ref_counts", "page_table", "num_pages", "seq_lens"],
-    meta_fields=["page_size"])
+    PageState, data_fields=["free_pages", "num_free", "ref_counts", "page_table", "num_pages", "seq_lens",
+                            "first_page"], meta_fields=["page_size"])
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,7 @@ def init_pages(num_pages: int, max_seqs: int, max_pages_per_seq: int, page_size:
         page_table=jnp.zeros((max_seqs, max_pages_per_seq), jnp.int32),
         num_pages=jnp.zeros((max_seqs,), jnp.int32),
         seq_lens=jnp.zeros((max_seqs,), jnp.int32),
+        first_page=jnp.zeros((max_seqs,), jnp.int32),
         page_size=int(page_size),
     )
 
@@ -163,8 +171,8 @@ def reserve(state: PageState, seq_ids, new_tokens) -> tuple[PageState, jax.Array
     refs = state.ref_counts.at[jnp.where(take, pages, state.ref_counts.shape[0])].add(1, mode="drop")
     grown = jnp.where(valid & ok, state.num_pages[sid] + need, state.num_pages[sid])
     num_pages = state.num_pages.at[jnp.where(valid, sid, state.num_pages.shape[0])].set(grown, mode="drop")
-    new = PageState(state.free_pages, state.num_free - jnp.where(ok, total, 0), refs, table, num_pages,
-                    state.seq_lens, p)
+    new = dataclasses.replace(state, num_free=state.num_free - jnp.where(ok, total, 0), ref_counts=refs,
+                              page_table=table, num_pages=num_pages)
     return new, ok
 
 
@@ -173,8 +181,27 @@ def append(state: PageState, seq_ids, new_tokens) -> tuple[PageState, jax.Array]
     state, ok = reserve(state, seq_ids, new_tokens)
     _, sid, valid, n = _requests(seq_ids, new_tokens)
     lens = state.seq_lens.at[jnp.where(valid & ok, sid, state.seq_lens.shape[0])].add(n, mode="drop")
-    return PageState(state.free_pages, state.num_free, state.ref_counts, state.page_table, state.num_pages, lens,
-                     state.page_size), ok
+    return dataclasses.replace(state, seq_lens=lens), ok
+
+
+def _drop_pages(state: PageState, sid, valid, lo, hi) -> PageState:
+    """Columns ``[lo[b], hi[b])`` of sequences ``sid[b]`` (where `valid`) lose one reference each.
+
+    Pages nobody holds any more go back on the free stack, each once (even if
+    several of the sequences shared it), in increasing id order.
+    """
+    n_pages = state.ref_counts.shape[0]
+    k = jnp.arange(state.max_pages, dtype=jnp.int32)[None, :]
+    held = valid[:, None] & (k >= lo[:, None]) & (k < hi[:, None])
+    pages = jnp.where(held, state.page_table[sid], n_pages)  # n_pages: out of bounds, dropped
+    refs = state.ref_counts.at[pages].add(-1, mode="drop")
+    touched = jnp.zeros((n_pages,), bool).at[pages].set(True, mode="drop")
+    freed = touched & (refs == 0)
+    slot = state.num_free + jnp.cumsum(freed) - 1
+    ids = jnp.arange(n_pages, dtype=jnp.int32)
+    free_pages = state.free_pages.at[jnp.where(freed, slot, n_pages)].set(ids, mode="drop")
+    return dataclasses.replace(state, free_pages=free_pages, ref_counts=refs,
+                               num_free=state.num_free + jnp.sum(freed).astype(jnp.int32))
 
 
 def release(state: PageState, seq_ids) -> PageState:
@@ -186,22 +213,35 @@ def release(state: PageState, seq_ids) -> PageState:
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     valid = seq_ids >= 0
     sid = jnp.where(valid, seq_ids, 0)
-    n_pages = state.ref_counts.shape[0]
-    k = jnp.arange(state.max_pages, dtype=jnp.int32)[None, :]
-    held = valid[:, None] & (k < state.num_pages[sid][:, None])
-    pages = jnp.where(held, state.page_table[sid], n_pages)
-    refs = state.ref_counts.at[pages].add(-1, mode="drop")
-    touched = jnp.zeros((n_pages,), bool).at[pages].set(True, mode="drop")
-    freed = touched & (refs == 0)
-    # Push the freed page ids (each once, even if several released sequences shared it).
-    slot = state.num_free + jnp.cumsum(freed) - 1
-    ids = jnp.arange(n_pages, dtype=jnp.int32)
-    free_pages = state.free_pages.at[jnp.where(freed, slot, n_pages)].set(ids, mode="drop")
+    state = _drop_pages(state, sid, valid, state.first_page[sid], state.num_pages[sid])
     rows = jnp.where(valid, sid, state.page_table.shape[0])
-    return PageState(
-        free_pages, state.num_free + jnp.sum(freed).astype(jnp.int32), refs,
-        state.page_table.at[rows].set(0, mode="drop"), state.num_pages.at[rows].set(0, mode="drop"),
-        state.seq_lens.at[rows].set(0, mode="drop"), state.page_size)
+    return dataclasses.replace(
+        state, page_table=state.page_table.at[rows].set(0, mode="drop"),
+        num_pages=state.num_pages.at[rows].set(0, mode="drop"), seq_lens=state.seq_lens.at[rows].set(0, mode="drop"),
+        first_page=state.first_page.at[rows].set(0, mode="drop"))
+
+
+def release_out_of_window(state: PageState, seq_ids, window: int) -> PageState:
+    """Sliding-window layers: releases the pages no future query of the sequences can see.
+
+    The next query sits at position ``seq_len`` and sees keys ``> seq_len - window``;
+    every page wholly before that is dropped (one reference). Call it after the
+    step's attention (the step's own queries may look further back). The
+    block table keeps the stale ids of released columns: the kernels clamp and
+    mask out-of-window reads, so those pages may be reused meanwhile.
+
+    Args:
+      seq_ids: ``int32[B]`` (unique; -1 ignored); window: W >= 1 (static or traced int).
+    """
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    valid = seq_ids >= 0
+    sid = jnp.where(valid, seq_ids, 0)
+    first = state.first_page[sid]
+    needed_from = jnp.maximum(state.seq_lens[sid] - window + 1, 0)  # first position a future query sees
+    new_first = jnp.clip(needed_from // state.page_size, first, state.num_pages[sid])
+    state = _drop_pages(state, sid, valid, first, new_first)
+    rows = jnp.where(valid, sid, state.first_page.shape[0])
+    return dataclasses.replace(state, first_page=state.first_page.at[rows].set(new_first, mode="drop"))
 
 
 def share_prefix(state: PageState, src_seq, dst_seq, num_tokens) -> PageState:
@@ -210,7 +250,9 @@ def share_prefix(state: PageState, src_seq, dst_seq, num_tokens) -> PageState:
     Shares ``min(num_tokens, seq_lens[src]) // page_size`` full pages by
     reference (no copy) and sets ``seq_lens[dst]`` to that many tokens; the
     caller appends the rest of the prompt (a partly filled page is never
-    shared, so no sequence writes into a page another one reads).
+    shared, so no sequence writes into a page another one reads). Columns
+    `src_seq` already released (`release_out_of_window`) are released for
+    `dst_seq` too.
 
     Args:
       src_seq, dst_seq: int32 scalars (distinct; `dst_seq` must be empty, e.g. just released).
@@ -219,13 +261,15 @@ def share_prefix(state: PageState, src_seq, dst_seq, num_tokens) -> PageState:
     src_seq, dst_seq = jnp.int32(src_seq), jnp.int32(dst_seq)
     p = state.page_size
     shared = jnp.minimum(jnp.int32(num_tokens), state.seq_lens[src_seq]) // p
+    first = jnp.minimum(state.first_page[src_seq], shared)
     k = jnp.arange(state.max_pages, dtype=jnp.int32)
-    take = k < shared
-    pages = jnp.where(take, state.page_table[src_seq], 0)
+    pages = jnp.where(k < shared, state.page_table[src_seq], 0)
+    take = (k >= first) & (k < shared)
     refs = state.ref_counts.at[jnp.where(take, pages, state.ref_counts.shape[0])].add(1, mode="drop")
-    return PageState(
-        state.free_pages, state.num_free, refs, state.page_table.at[dst_seq].set(pages),
-        state.num_pages.at[dst_seq].set(shared), state.seq_lens.at[dst_seq].set(shared * p), p)
+    return dataclasses.replace(
+        state, ref_counts=refs, page_table=state.page_table.at[dst_seq].set(pages),
+        num_pages=state.num_pages.at[dst_seq].set(shared), seq_lens=state.seq_lens.at[dst_seq].set(shared * p),
+        first_page=state.first_page.at[dst_seq].set(first))
 
 
 def step_metadata(state: PageState, seq_ids, new_tokens, *, num_tokens: int) -> StepMetadata:
@@ -299,6 +343,9 @@ class PageAllocator:
     def share_prefix(self, src_seq: int, dst_seq: int, num_tokens: int) -> None:
         self.state = _share(self.state, src_seq, dst_seq, num_tokens)
 
+    def release_out_of_window(self, seq_ids, window: int) -> None:
+        self.state = _release_window(self.state, np.asarray(seq_ids, np.int32), int(window))
+
     @property
     def num_free(self) -> int:
         return int(self.state.num_free)
@@ -312,3 +359,4 @@ def _step(state, seq_ids, new_tokens, *, num_tokens):
 
 _release = jax.jit(release)
 _share = jax.jit(share_prefix)
+_release_window = jax.jit(release_out_of_window)

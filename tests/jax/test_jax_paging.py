@@ -29,7 +29,8 @@ class Model:
 
     def __init__(self):
         self.free = list(range(N - 1, -1, -1))
-        self.pages = {s: [] for s in range(S)}
+        self.pages = {s: [] for s in range(S)}  # every column in use, released ones included
+        self.first = dict.fromkeys(range(S), 0)  # columns before it were released (window)
         self.lens = dict.fromkeys(range(S), 0)
         self.refs = [0] * N
 
@@ -52,20 +53,36 @@ class Model:
                 self.lens[s] += n
         return True
 
-    def release(self, seq_ids):
+    def _drop(self, columns):
+        """`columns`: (sequence, first column, end column) ranges losing one reference."""
         touched = set()
+        for s, lo, hi in columns:
+            for page in self.pages[s][lo:hi]:
+                self.refs[page] -= 1
+                touched.add(page)
+        self.free += sorted(p for p in touched if self.refs[p] == 0)
+
+    def release(self, seq_ids):
+        self._drop([(s, self.first[s], len(self.pages[s])) for s in seq_ids if s >= 0])
         for s in seq_ids:
             if s >= 0:
-                for page in self.pages[s]:
-                    self.refs[page] -= 1
-                    touched.add(page)
-                self.pages[s], self.lens[s] = [], 0
-        self.free += sorted(p for p in touched if self.refs[p] == 0)
+                self.pages[s], self.lens[s], self.first[s] = [], 0, 0
+
+    def release_window(self, seq_ids, window):
+        ranges = []
+        for s in seq_ids:
+            if s >= 0:
+                new_first = min(max(max(self.lens[s] - window + 1, 0) // P, self.first[s]), len(self.pages[s]))
+                ranges.append((s, self.first[s], new_first))
+        self._drop(ranges)
+        for s, _, new_first in ranges:
+            self.first[s] = new_first
 
     def share(self, src, dst, num_tokens):
         shared = min(num_tokens, self.lens[src]) // P
         self.pages[dst] = self.pages[src][:shared]
-        for page in self.pages[dst]:
+        self.first[dst] = min(self.first[src], shared)
+        for page in self.pages[dst][self.first[dst]:]:
             self.refs[page] += 1
         self.lens[dst] = shared * P
 
@@ -74,30 +91,39 @@ class Model:
         assert list(np.asarray(state.free_pages)[:nf]) == self.free
         assert list(np.asarray(state.ref_counts)) == self.refs
         for s in range(S):
-            n = int(state.num_pages[s])
-            assert list(np.asarray(state.page_table[s, :n])) == self.pages[s], s
+            n, first = int(state.num_pages[s]), int(state.first_page[s])
+            assert first == self.first[s], s
+            assert list(np.asarray(state.page_table[s, first:n])) == self.pages[s][first:], s
             assert int(state.seq_lens[s]) == self.lens[s], s
-        held = {p for pages in self.pages.values() for p in pages}
+        held = {p for s, pages in self.pages.items() for p in pages[self.first[s]:]}
         assert held.isdisjoint(self.free) and len(held) + nf == N  # every page free xor held
 
 
 _append = jax.jit(paging.append)
 _release = jax.jit(paging.release)
 _share = jax.jit(paging.share_prefix)
+_release_window = jax.jit(paging.release_out_of_window)
 
 
 def test_allocator_matches_a_python_model():
     rng = np.random.default_rng(0)
     state, model = paging.init_pages(N, S, MAX_PAGES, P), Model()
     model.assert_matches(state)
-    for _ in range(60):
-        op = rng.choice(["append", "append", "release", "share"])
+    for _ in range(80):
+        op = rng.choice(["append", "append", "release", "share", "window"])
         if op == "append":
             seq_ids = rng.permutation(S)[:3].astype(np.int32)
             seq_ids[rng.random(3) < 0.2] = -1  # batch padding
             new_tokens = rng.integers(0, 7, 3).astype(np.int32)
             state, ok = _append(state, seq_ids, new_tokens)
             assert bool(ok) == model.append(list(seq_ids), list(new_tokens))
+        elif op == "window":
+            seq_ids = np.array([rng.integers(0, S), -1, rng.integers(0, S)], np.int32)
+            if seq_ids[0] == seq_ids[2]:
+                seq_ids[2] = -1
+            window = int(rng.integers(1, 9))
+            state = _release_window(state, seq_ids, window)
+            model.release_window(list(seq_ids), window)
         elif op == "release":
             seq_ids = np.array([rng.integers(0, S), -1], np.int32)
             state = _release(state, seq_ids)
@@ -218,3 +244,40 @@ def test_prefill_share_and_jitted_decode_loop_through_the_kernels():
     np.testing.assert_array_equal(state.seq_lens[:3], [10, 6, 10])
     _check(out, cache, meta)
     np.testing.assert_array_equal(np.asarray(out)[0], np.asarray(out)[2])  # seq 0 and its prefix-sharing twin
+
+
+def test_sliding_window_pages_are_released_and_reused():
+    """A window layer frees the pages behind its window; another sequence reuses them while the
+    first keeps decoding, and every step still matches the reference (released columns keep stale
+    ids that the kernels mask)."""
+    window, num_pages = 5, 5
+    lay = tq_spec.layout(PRESET, D)
+    cache = jnp.zeros((num_pages, P, HKV, lay.slot_bytes), jnp.uint8)
+    state = paging.init_pages(num_pages, 2, 8, P)
+
+    @functools.partial(jax.jit, static_argnums=(4,))
+    def step(state, cache, seq_ids, new_tokens, num_tokens):
+        state, ok = paging.append(state, seq_ids, new_tokens)
+        meta = paging.step_metadata(state, seq_ids, new_tokens, num_tokens=num_tokens)
+        q, k, v = _qkv(meta.positions)
+        cache = tq_jax.store_kv(k, v, cache, meta.slot_mapping, preset=PRESET)
+        out = tq_jax.paged_attention(q, cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
+                                     preset=PRESET, sliding_window=window)
+        return paging.release_out_of_window(state, seq_ids, window), cache, out, meta, ok
+
+    schedule = [([0, -1], [6, 0])] + [([0, 1], [1, 3 if i == 0 else 1]) for i in range(8)]
+    held_by_0 = set()
+    for seq_ids, new_tokens in schedule:
+        state, cache, out, meta, ok = step(state, cache, np.array(seq_ids, np.int32),
+                                           np.array(new_tokens, np.int32), 8)
+        assert bool(ok)
+        t = int(meta.query_start_loc[-1])
+        res = check_attention(np.asarray(out)[:t], np.asarray(_qkv(meta.positions)[0])[:t], np.asarray(cache),
+                              np.asarray(meta.block_table), np.asarray(meta.seq_lens),
+                              np.asarray(meta.query_start_loc), preset=PRESET, sliding_window=window)
+        assert res.ok, res.describe()
+        held_by_0 |= set(np.asarray(meta.block_table[0, :int(state.num_pages[0])]).tolist())
+    # 14 + 10 tokens (7 pages without release) on 5 pages of 4: pages behind the window came back.
+    assert int(state.seq_lens[0]) == 14 and int(state.seq_lens[1]) == 10
+    held_by_1 = set(np.asarray(state.page_table[1, :int(state.num_pages[1])]).tolist())
+    assert held_by_0 & held_by_1, "no page of sequence 0 was reused by sequence 1"
