@@ -1,4 +1,4 @@
-"""Padding, NaN, transforms, export and donation of tq_jax on a CUDA GPU (``pytest -m gpu``).
+"""Padding, NaN, transforms, export, donation and paging of tq_jax on a CUDA GPU (``pytest -m gpu``).
 
 The CPU tests of the same behaviour run in interpret mode; here the Triton
 lowering runs them, where float max is ``maxnumf`` (NaN-dropping), outputs are
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_jax_paging
 import tq_jax
 import tq_spec
 from parity.tolerances import compare_store
@@ -128,3 +129,9 @@ def test_gpu_store_kv_skips_slots_outside_the_cache():
     out = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(key), jnp.asarray(base), slots, preset=preset)
     cmp = compare_store(np.asarray(out), key[1:2], key[1:2], base, slots[1:2], preset=preset)
     assert cmp.ok, cmp.describe()
+
+
+def test_gpu_paging_loops_through_the_kernels():
+    """The CPU paging tests' kernel loops (prefill, prefix sharing, a jitted decode loop, window release)."""
+    test_jax_paging.test_prefill_share_and_jitted_decode_loop_through_the_kernels()
+    test_jax_paging.test_sliding_window_pages_are_released_and_reused()
