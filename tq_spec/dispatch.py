@@ -68,11 +68,6 @@ PATHS: dict[str, PathRule] = {
 }
 PATH_NAMES: tuple[str, ...] = tuple(PATHS)
 
-# Average query tokens per sequence up to which "auto" picks the decode path
-# (speculative decoding drafts up to ~8 tokens). Measured on an H100 (parity.bench,
-# B=32 x 8k, q_len 4): the decode path took 0.39x the extend path's time there.
-DECODE_TOKENS_PER_SEQ = 8
-
 
 def eligible_paths(problem: DispatchProblem) -> tuple[str, ...]:
     """Names of every path that may run `problem`, in table order."""
@@ -82,10 +77,8 @@ def eligible_paths(problem: DispatchProblem) -> tuple[str, ...]:
 def select_path(problem: DispatchProblem, path: str = "auto") -> str:
     """The path to run: `path` if forced (and eligible), else the automatic choice.
 
-    Automatic: ``decode`` when ``num_tokens <= DECODE_TOKENS_PER_SEQ * num_seqs``
-    (a decode, speculative multi-token decode or decode-dominated batch: the
-    split-KV path packs a sequence's few query tokens x its GQA group into one
-    row tile), else ``extend``.
+    Automatic: ``decode`` when ``num_tokens <= num_seqs`` (at most one query per
+    sequence on average: a decode or decode-dominated batch), else ``extend``.
 
     Raises:
       ValueError: unknown path name.
@@ -93,7 +86,7 @@ def select_path(problem: DispatchProblem, path: str = "auto") -> str:
     """
     get_preset(problem.preset)
     if path == "auto":
-        choice = "decode" if problem.num_tokens <= DECODE_TOKENS_PER_SEQ * problem.num_seqs else "extend"
+        choice = "decode" if problem.num_tokens <= problem.num_seqs else "extend"
         if PATHS[choice].ineligible(problem) is None:
             return choice
         for name, rule in PATHS.items():

@@ -131,10 +131,8 @@ def test_dispatch_table():
     from tq_spec import dispatch
 
     decode = dispatch.DispatchProblem(4, 4, 8, 2, 128, 16, PRESET)
-    multi_token = dispatch.DispatchProblem(4 * dispatch.DECODE_TOKENS_PER_SEQ, 4, 8, 2, 128, 16, PRESET)
-    prefill = dispatch.DispatchProblem(4 * dispatch.DECODE_TOKENS_PER_SEQ + 1, 4, 8, 2, 128, 16, PRESET)
+    prefill = dispatch.DispatchProblem(40, 4, 8, 2, 128, 16, PRESET)
     assert dispatch.select_path(decode) == "decode"
-    assert dispatch.select_path(multi_token) == "decode"
     assert dispatch.select_path(prefill) == "extend"
     assert dispatch.eligible_paths(prefill) == dispatch.PATH_NAMES
     assert dispatch.select_path(prefill, "decode") == "decode"
