@@ -277,7 +277,10 @@ def attend_key_range(
         # P @ (codes * scale + zero) = (P * scale) @ codes + P @ zero. `where`
         # on the visibility, not the product alone: a masked key's garbage
         # scale or zero (NaN/Inf) must not reach the output as 0 * NaN.
-        p_v = tl.where(visible, p * v_scale[None, :], 0.0)
+        if VALUE_FORMAT == 0:
+            p_v = p  # raw values: no scale; p is already 0 where a key is not visible
+        else:
+            p_v = tl.where(visible, p * v_scale[None, :], 0.0)
         pv = dot(dot_operand(p_v, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
                  DOT_DTYPE, INTERPRET)
         if VALUE_FORMAT != 0:

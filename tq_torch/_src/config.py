@@ -123,7 +123,7 @@ _TILES_D128 = {
         "mse4": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=None, programs_per_sm=4, prefetch=True),
         "mse3": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=None, programs_per_sm=4, prefetch=True),
         "fp8": dict(block_n=16, num_warps=4, num_stages=1, maxnreg=128, programs_per_sm=8, prefetch=True),
-        "raw": dict(block_n=32, num_warps=4, num_stages=3, maxnreg=None, programs_per_sm=4, prefetch=False),
+        "raw": dict(block_n=64, num_warps=4, num_stages=3, maxnreg=None, programs_per_sm=2, prefetch=False),
     },
     "extend": {
         "mse4": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
