@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmarks-md", metavar="FILE", help="also write the curated page FILE (e.g. BENCHMARKS.md) "
                    "linking the plots in --out")
     p.add_argument("--from-json", metavar="DIR", help="do not run: rebuild the reports from DIR/bench.json")
+    p.add_argument("--compare-json", metavar="DIR", help="add a before/after table against the run in "
+                   "DIR/bench.json (e.g. the baseline kernels) to the reports")
     p.add_argument("--label", default="", help="free text stored with the results (e.g. 'baseline')")
     p.add_argument("--seed", type=int, default=0, help="seed of every input (default 0)")
     p.add_argument("--budget-gib", type=float, default=DEFAULT_BUDGET_GIB,
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
 def _write(args, env, roofline, rows, goals, notes) -> None:
     """Prints the goal table; writes JSON, Markdown, plots and the curated page where asked."""
     from .plots import write_plots
-    from .results import goal_table, markdown, write_json
+    from .results import goal_table, load, markdown, write_json
 
     smoke = any("--smoke" in n for n in notes)
     print("\nGoal rows (measured vs target)" + (" -- --smoke: CPU interpreters, numbers not meaningful" if smoke
@@ -143,15 +145,17 @@ def _write(args, env, roofline, rows, goals, notes) -> None:
     plots, why = write_plots(rows, args.out)
     if why:
         notes = notes + [why]
+    before = load(os.path.join(args.compare_json, "bench.json")) if args.compare_json else None
     write_json(os.path.join(args.out, "bench.json"), env, roofline, rows, goals, notes)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(markdown(env, roofline, rows, goals, notes, plots))
+        f.write(markdown(env, roofline, rows, goals, notes, plots, before=before))
     print(f"\nwrote {args.out}/bench.json, {args.out}/bench.md" + "".join(f", {args.out}/{p}" for p in plots))
     if args.benchmarks_md:
         page_dir = os.path.dirname(os.path.abspath(args.benchmarks_md))
         rel = [os.path.relpath(os.path.join(os.path.abspath(args.out), p), page_dir) for p in plots]
         with open(args.benchmarks_md, "w") as f:
-            f.write(markdown(env, roofline, rows, goals, notes, rel, title="Benchmarks") + _REGENERATE)
+            f.write(markdown(env, roofline, rows, goals, notes, rel, title="Benchmarks", before=before)
+                    + _REGENERATE)
         print(f"wrote {args.benchmarks_md}")
 
 
@@ -168,6 +172,18 @@ or, from the results directory of an earlier run (`--out DIR`):
 
 ```bash
 python -m parity.bench --from-json DIR --out docs/bench --benchmarks-md BENCHMARKS.md
+```
+
+The before/after table compares with the kernels of an earlier commit (here the
+baseline 7564f73), benchmarked by the same suite from a folder that holds their packages
+(its own folder comes first on `sys.path`, so those packages shadow the checkout's):
+
+```bash
+mkdir .baseline && git archive 7564f73 tq_torch tq_jax tq_spec | tar -x -C .baseline
+(cd .baseline && PYTHONPATH=.:.. XLA_PYTHON_CLIENT_PREALLOCATE=false python -m parity.bench --quick \\
+    --out ../docs/bench/baseline --label "baseline: tq_torch/tq_jax/tq_spec of 7564f73")
+python -m parity.bench --from-json docs/bench --compare-json docs/bench/baseline --out docs/bench \\
+    --benchmarks-md BENCHMARKS.md
 ```
 """
 

@@ -189,18 +189,44 @@ How to read this:
 - host us: host wall time of issuing one eager call (no sync)."""
 
 
+def comparison_table(before: dict, rows: list[dict]) -> str:
+    """Kernel rows of this run against the same (row, preset, leg) of an earlier run ``before``.
+
+    Speed-up is the earlier time over this one (> 1: faster now); times are
+    each run's preferred measure (events for torch, loop for jax).
+    """
+    old = {(r["row"], r["preset"], r["leg"]): r for r in before["rows"]}
+    body = []
+    for r in rows:
+        if r["preset"] == "-" or r["status"] != "ok":
+            continue
+        b = old.get((r["row"], r["preset"], r["leg"]))
+        before_ms = b["time_ms"] if b and b["status"] == "ok" else None
+        gain = before_ms / r["time_ms"] if before_ms and r["time_ms"] else None
+        why = "" if b is None else ("" if b["status"] == "ok" else f"before: {b['status']} ({b['check'][:60]})")
+        body.append([r["row"], r["preset"], r["leg"], _f(before_ms, "{:.4f}"), _f(r["time_ms"], "{:.4f}"),
+                     _f(gain, "{:.2f}x"), why])
+    env = before["environment"]
+    head = (f"Against the run labelled `{env.get('label') or '-'}` ({env['device']}, {env['date_utc']}), "
+            f"command `{env['command']}`.\n\n")
+    return head + _table(["row", "preset", "leg", "before ms", "now ms", "speed-up", "note"], body)
+
+
 def markdown(env: dict, roofline: dict, rows: list[dict], goals: list[GoalResult], notes: list[str],
-             plots: list[str] = (), title: str = "parity.bench results") -> str:
+             plots: list[str] = (), title: str = "parity.bench results", before: dict | None = None) -> str:
     out = [f"# {title}", ""]
     out += [f"- device: {env['device']} (driver {env['driver']}{', CUDA ' + env['cuda'] if env.get('cuda') else ''})",
             f"- date: {env['date_utc']}; label: {env['label'] or '-'}",
             f"- versions: python {env['python']}, torch {env['torch']}, triton {env['triton']}, jax {env['jax']}, "
             f"jaxlib {env['jaxlib']}, numpy {env['numpy']}",
-            f"- commit: {env['git_commit']}",
+            f"- commit (as git on the benchmark machine saw it; the label names the code when that copy is stale): "
+            f"{env['git_commit']}",
             f"- command: `{env['command']}`",
             f"- copy roofline: {roofline.get('gbps', 0):.0f} GB/s ({roofline.get('how', '')})"]
     out += [f"- note: {n}" for n in notes]
     out += ["", "## Goals", "", goal_table(goals), ""]
+    if before is not None:
+        out += ["## Before / after", "", comparison_table(before, rows), ""]
     for op in OPS:
         if not any(r["op"] == op for r in rows):
             continue

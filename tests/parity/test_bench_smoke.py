@@ -45,6 +45,13 @@ def test_smoke_runs_checks_and_reports(tmp_path, capsys):
     # The reports of a finished run can be rebuilt without running anything.
     assert main(["--from-json", str(tmp_path / "run"), "--out", str(tmp_path / "again")]) == 0
     assert json.loads((tmp_path / "again" / "bench.json").read_text())["rows"] == rows
+    # ... and compared with another run: every checked kernel row appears with both times.
+    assert main(["--from-json", str(tmp_path / "run"), "--compare-json", str(tmp_path / "again"),
+                 "--out", str(tmp_path / "compared")]) == 0
+    compared = (tmp_path / "compared" / "bench.md").read_text()
+    table = compared.split("## Before / after", 1)[1].split("\n## ", 1)[0]
+    assert "smoke-test" in table
+    assert sum(line.endswith("| 1.00x |  |") for line in table.splitlines()) == len(kernel)
 
 
 def test_tables_are_declarative():
