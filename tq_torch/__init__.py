@@ -16,6 +16,6 @@ attention paths and their eligibility are the shared table
 from tq_spec.dispatch import PATH_NAMES, PATHS
 
 from ._src.api import paged_attention, store_kv
-from ._src.dequant import dequantize_cache
+from ._src.dequantize import dequantize_cache
 
 __all__ = ["PATHS", "PATH_NAMES", "dequantize_cache", "paged_attention", "store_kv"]

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from . import config
-from .attend import LOG2E, attend_key_range, load_query_rows
-from .tl_math import to_dtype_rne
+from .kv_tiles import LOG2E, attend_key_range, load_query_rows
+from .kernel_math import to_dtype_rne
 
 
 @triton.jit

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attend import LOG2E
+from .kv_tiles import LOG2E
 from .attention_kernel import launch_tiles
-from .tl_math import to_dtype_rne
+from .kernel_math import to_dtype_rne
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton.language as tl
 import tq_spec
 
 from . import config
-from .tl_math import fp8_e4m3fn_encode, to_dtype_rne
+from .kernel_math import fp8_e4m3fn_encode, to_dtype_rne
 
 
 @triton.jit

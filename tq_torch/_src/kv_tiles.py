@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tl_math import dot, dot_operand, table_lookup, tanh_f32
+from .kernel_math import dot, dot_operand, table_lookup, tanh_f32
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
