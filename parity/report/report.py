@@ -1,14 +1,40 @@
-"""Summaries and reports: the console table, failures with repro lines, JSON, Markdown."""
+"""Summaries and reports: the console table, failures with repro lines, JSON, Markdown.
+
+The reports must survive any result, including the failures they exist to show:
+an error of ``inf`` or ``nan`` is written to ``parity.json`` as the *string*
+``"inf"``, ``"-inf"`` or ``"nan"`` (strict JSON has no such numbers, and ``null``
+would hide which one it was), and both files are written to a temporary file
+and renamed, so an interrupted or crashing run never leaves a truncated report.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections import defaultdict
 
 from .records import FAILED, PASSED, SKIPPED, UNAVAILABLE, final_line, tally
 
+
+# What each check name (the ``op`` column) compares; the Markdown report explains them.
+OP_TEXT = {
+    "store": "the leg's store_kv cache bytes vs the float64 reference's bytes (codes may differ only "
+             "next to a quantization boundary; fp16/fp8 fields within 1 ulp)",
+    "attention": "the leg's paged_attention on the reference's cache bytes vs the float64 reference on the "
+                 "same bytes, once per path (auto and each eligible forced path)",
+    "paths": "every attention path of one leg agrees with every other path of that leg",
+    "cross-store": "torch vs jax cache bytes directly (leg `torch|jax`)",
+    "cross": "torch vs jax attention outputs directly (leg `torch|jax`)",
+    "interchange": "a cache written by one leg and read by another (leg `writer->reader`) vs the reference "
+                   "on those bytes",
+    "e2e": "the leg's store then attention vs dense float64 attention on the raw K/V, within the preset's "
+           "expected distortion",
+    "chunking": "the same tokens stored and attended in chunks (path `chunk=N`) equal one prefill",
+    "model": "several layers in model order (mixed presets, windows, head dims), each vs the reference",
+    "case": "the whole case: a skip (e.g. a GPU-only case on CPU) or a harness error",
+}
 
 # Display order: the comparisons in the order a case runs them, presets as tq_spec lists them.
 OP_ORDER = ("store", "attention", "paths", "cross-store", "cross", "interchange", "e2e", "chunking", "model", "case")
@@ -67,6 +93,26 @@ def unavailable_lines(records) -> list[str]:
     return [f"unavailable: {leg}: {reason} ({n} records skipped)" for (leg, reason), n in sorted(seen.items())]
 
 
+def skip_reasons(records) -> list[tuple[str, int, int]]:
+    """``(reason, records, cases)`` for every distinct reason a record was skipped.
+
+    Unavailable legs are listed by `unavailable_lines`; these are the other skips
+    (e.g. GPU-only cases on a CPU machine), largest group first.
+    """
+    groups = defaultdict(lambda: [0, set()])
+    for r in records:
+        if r.status == SKIPPED:
+            g = groups[r.detail or "(no reason given)"]
+            g[0] += 1
+            g[1].add(r.case_id)
+    return sorted(((reason, n, len(ids)) for reason, (n, ids) in groups.items()), key=lambda x: (-x[1], x[0]))
+
+
+def skip_lines(records) -> list[str]:
+    """One console line per distinct skip reason, with its counts."""
+    return [f"skipped: {reason} ({n} records, {k} case(s))" for reason, n, k in skip_reasons(records)]
+
+
 def failure_text(r) -> str:
     """A failure: what failed, the worst element, and the repro line."""
     where = f"{r.case_id} [{r.op} {r.leg} {r.path}" + (f" {r.layer}" if r.layer else "") + "]"
@@ -85,7 +131,7 @@ def console_report(records, legs_text, *, interrupted: str = "") -> str:
     if times:
         # With worker processes these are sums over the workers, not wall time.
         out += ["", "time per leg (summed over cases): " + ", ".join(f"{leg} {sec:.1f}s" for leg, sec in times)]
-    un = unavailable_lines(records)
+    un = unavailable_lines(records) + skip_lines(records)
     if un:
         out += [""] + un
     fails = [r for r in records if r.status == FAILED]
@@ -106,11 +152,24 @@ def _jsonable(x):
         return [_jsonable(v) for v in x]
     if isinstance(x, (frozenset, set)):
         return sorted(_jsonable(v) for v in x)
-    if isinstance(x, float) and x != x:
-        return None
-    if hasattr(x, "item"):
-        return x.item()
+    if hasattr(x, "tolist"):  # numpy scalars and arrays (a 0-d array's tolist is its scalar)
+        return _jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return repr(x)  # "inf", "-inf" or "nan": strict JSON has no non-finite numbers
     return x
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Writes `text` to `path` through a temporary file in the same directory and a rename."""
+    # Beside the target so the rename stays on one file system; plain open() keeps the umask's mode.
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def write_reports(directory: str, records, *, meta: dict, cases) -> tuple[str, str]:
@@ -126,10 +185,9 @@ def write_reports(directory: str, records, *, meta: dict, cases) -> tuple[str, s
         case_info[c.id] = d
     doc = {"meta": _jsonable(meta), "summary": tally(records), "cases": case_info,
            "records": [_jsonable(r.to_json()) for r in records]}
-    with open(json_path, "w") as f:
-        json.dump(doc, f, indent=1, allow_nan=False, default=str)
-    with open(md_path, "w") as f:
-        f.write(markdown(records, meta))
+    # Serialised in full before anything is written: an error here leaves the old files intact.
+    _write_atomic(json_path, json.dumps(doc, indent=1, allow_nan=False, default=str))
+    _write_atomic(md_path, markdown(records, meta))
     return json_path, md_path
 
 
@@ -146,12 +204,22 @@ def markdown(records, meta: dict) -> str:
               "|---|---|---|---:|---:|---:|"]
     for op, preset, path, p, fl, s in summary_rows(records):
         lines.append(f"| {op} | {preset} | {path} | {p} | {fl} | {s} |")
+    ops = sorted({r.op for r in records}, key=lambda op: OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER))
+    if ops:
+        lines += ["", "## Checks", "",
+                  "Each record is one case x check (op) x leg x path. Legs: `reference` (tq_spec float64), "
+                  "`torch`, `jax`; `a|b` compares two legs directly, `a->b` reads with b a cache written by a.", ""]
+        lines += [f"- **{op}**: {OP_TEXT.get(op, '(no description)')}" for op in ops]
     un = unavailable_lines(records)
-    if un:
-        lines += ["", "## Unavailable", ""] + [f"- {u.removeprefix('unavailable: ')}" for u in un]
+    skips = skip_reasons(records)
+    if un or skips:
+        lines += ["", "## Skipped", "", "Skipped records are never counted as passed.", ""]
+        lines += [f"- unavailable leg: {u.removeprefix('unavailable: ')}" for u in un]
+        lines += [f"- {reason} ({n} records, {k} case(s))" for reason, n, k in skips]
     fails = [r for r in records if r.status == FAILED]
     if fails:
-        lines += ["", "## Failures", ""]
+        lines += ["", "## Failures", "",
+                  "Each with its worst element and the command that re-runs it.", ""]
         for r in fails:
             lines.append(f"- `{r.case_id}` {r.op} {r.leg} {r.path} {r.layer}".rstrip())
             lines.append(f"  - {r.detail.splitlines()[0] if r.detail else ''}")

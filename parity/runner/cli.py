@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable, comma-separated; any match keeps the case)")
     p.add_argument("--list", action="store_true", help="list the selected cases with their tags and exit")
     p.add_argument("--seed", type=int, default=0, help="seed of the sweeps' sampling and of all data (default 0)")
-    p.add_argument("--report", metavar="DIR", help="write DIR/parity.json and DIR/parity.md")
+    p.add_argument("--report", metavar="DIR", help="write DIR/parity.json (strict JSON: non-finite numbers as the strings \"inf\", \"-inf\", \"nan\") and DIR/parity.md")
     p.add_argument("--fail-fast", action="store_true", help="stop after the first case with a failure")
     p.add_argument("--jobs", type=int, metavar="N",
                    help="worker processes running cases side by side (default: half the CPU cores, "
