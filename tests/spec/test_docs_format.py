@@ -1,0 +1,72 @@
+"""docs/format.md states the byte layout as numbers; they must match `tq_spec.layout`.
+
+The page is hand-written for users, so a layout change that forgets it would
+silently leave wrong offsets in the documentation.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+import tq_spec
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "format.md")
+
+
+def _table_after(heading: str) -> list[list[str]]:
+    """Body rows of the first Markdown table after the line starting with `heading`."""
+    lines = open(DOC, encoding="utf-8").read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    rows, seen = [], False
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            seen = True
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif seen:
+            break
+    return rows[2:]  # skip the header and the |---| line
+
+
+def _presets(cell: str) -> list[str]:
+    return re.findall(r"`([\w]+)`", cell)
+
+
+def test_slot_bytes_table():
+    rows = _table_after("`slot_bytes` by head dim")
+    covered = set()
+    for row in rows:
+        for name in _presets(row[0]):
+            covered.add(name)
+            for d, cell in zip((64, 128, 256), row[1:]):
+                assert int(cell) == tq_spec.layout(name, d).slot_bytes, (name, d)
+    assert covered == set(tq_spec.PRESET_NAMES)
+
+
+def _span(cell: str):
+    m = re.match(r"`\[(\d+), (\d+)\)`", cell)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+@pytest.mark.parametrize("name", tq_spec.PRESET_NAMES)
+def test_offsets_table_at_d128(name):
+    rows = {n: row for row in _table_after("Byte offsets within a slot at `D = 128`") for n in _presets(row[0])}
+    key, norm, value, scale, zero, slot = rows[name][1:]
+    lay = tq_spec.layout(name, 128)
+    assert _span(key) == (lay.key_offset, lay.key_offset + lay.key_bytes)
+    assert _span(value) == (lay.value_offset, lay.value_offset + lay.value_bytes)
+    for cell, off in ((norm, lay.key_norm_offset), (scale, lay.value_scale_offset), (zero, lay.value_zero_offset)):
+        assert _span(cell) == (None if off is None else (off, off + 2)), cell
+    assert int(slot) == lay.slot_bytes
+
+
+def test_auto_rule_as_documented():
+    # "path="auto" picks decode when T <= B, else extend"
+    text = open(DOC, encoding="utf-8").read()
+    assert "picks `decode` when `T <= B`" in text
+    for t, b, want in ((1, 1, "decode"), (4, 4, "decode"), (3, 4, "decode"), (5, 4, "extend")):
+        problem = tq_spec.dispatch.DispatchProblem(t, b, 8, 2, 128, 16, "bf16")
+        assert tq_spec.dispatch.select_path(problem) == want
+    assert set(tq_spec.dispatch.PATH_NAMES) == {"decode", "extend"}
