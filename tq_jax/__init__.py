@@ -23,7 +23,9 @@ CPU host); ``interpret=True/False`` forces it.
   seq_lens, prefix sharing by reference count) and the per-step op metadata
   (block_table, seq_lens, query_start_loc, slot_mapping, positions,
   last-token indices) padded to a bucketed T.
-* `tq_jax.nnx`: thin Flax NNX modules over these ops.
+* `tq_jax.nnx`: Flax NNX modules: `Attention` (projections, GQA, RoPE, window, soft
+  cap, sinks, its own `nnx.Cache`, KV sharing), `init_cache`, cache sizing,
+  `scan_layers`; `tq_jax.examples.generate`: a runnable decoder and greedy sampler.
 
 Inputs are jax or numpy arrays (torch tensors are a TypeError naming the
 argument); numpy integer metadata is converted to int32 when lossless. The
