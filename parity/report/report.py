@@ -110,7 +110,7 @@ def skip_reasons(records) -> list[tuple[str, int, int]]:
 
 def skip_lines(records) -> list[str]:
     """One console line per distinct skip reason, with its counts."""
-    return [f"skipped: {reason} ({n} records, {k} case(s))" for reason, n, k in skip_reasons(records)]
+    return [f"skipped: {reason} ({n} record(s), {k} case(s))" for reason, n, k in skip_reasons(records)]
 
 
 def failure_text(r) -> str:
@@ -215,7 +215,7 @@ def markdown(records, meta: dict) -> str:
     if un or skips:
         lines += ["", "## Skipped", "", "Skipped records are never counted as passed.", ""]
         lines += [f"- unavailable leg: {u.removeprefix('unavailable: ')}" for u in un]
-        lines += [f"- {reason} ({n} records, {k} case(s))" for reason, n, k in skips]
+        lines += [f"- {reason} ({n} record(s), {k} case(s))" for reason, n, k in skips]
     fails = [r for r in records if r.status == FAILED]
     if fails:
         lines += ["", "## Failures", "",

@@ -62,7 +62,7 @@ def test_reports_survive_inf_and_nan(tmp_path):
     assert "## Checks" in md
     for op in ("attention", "cross", "store", "case"):  # every check name present is explained
         assert f"- **{op}**: " in md and "(no description)" not in md
-    assert "## Skipped" in md and f"{GPU_REASON} (2 records, 1 case(s))" in md
+    assert "## Skipped" in md and f"{GPU_REASON} (2 record(s), 1 case(s))" in md
     assert "jax: jax not importable" in md
 
 
@@ -87,7 +87,7 @@ def test_a_failed_write_keeps_the_previous_report(tmp_path, monkeypatch):
 
 def test_console_lists_skip_reasons_with_counts():
     out = console_report(_records(), ["torch: test"])
-    assert f"skipped: {GPU_REASON} (2 records, 1 case(s))" in out
+    assert f"skipped: {GPU_REASON} (2 record(s), 1 case(s))" in out
     assert "unavailable: jax: jax not importable (1 records skipped)" in out
     assert out.strip().splitlines()[-1] == "parity: 1 passed, 2 failed, 3 skipped"
 
