@@ -244,9 +244,9 @@ def test_scan_layers_matches_the_unrolled_loop_and_copies_no_stack():
     assert not copies, copies
     out, new_state = step(jax.tree.map(jnp.array, state), x, meta)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(h, np.float32))
-    new_caches = nnx.state(nnx.merge(graphdef, new_state), nnx.Cache)
+    new_caches = jax.tree.leaves(nnx.state(nnx.merge(graphdef, new_state), nnx.Cache))[0]
     for i, layer in enumerate(singles):
-        np.testing.assert_array_equal(np.asarray(jax.tree.leaves(new_caches)[0][i]), np.asarray(layer.cache.kv_cache[...]))
+        np.testing.assert_array_equal(np.asarray(new_caches[i]), np.asarray(layer.cache.kv_cache[...]))
     # In place on the module too (nnx.jit, donated).
     pointer = stack.cache.kv_cache[...].unsafe_buffer_pointer()
     out2 = nnx.jit(_scanned, donate_argnums=(0,))(stack, x, meta)
