@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import numpy as np
 
@@ -18,6 +19,21 @@ from .layout import Layout, layout as make_layout
 from .presets import PresetLike, get_preset
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+VALIDATE_ENV = "TQ_VALIDATE"
+
+
+def validate_enabled(validate=None) -> bool:
+    """The ops' ``validate=``: True/False, or None for the process default (``TQ_VALIDATE=1`` turns it on).
+
+    Full validation reads metadata values on the host, which synchronises with
+    the device, so it is off unless asked for. Tests and the parity suite turn
+    it on.
+    """
+    if validate is None:
+        return os.environ.get(VALIDATE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected True, False or None, got {validate!r}")
+    return validate
 INDEX_DTYPE = "int32"
 SLOT_MAPPING_DTYPES = ("int32", "int64")
 
@@ -185,7 +201,8 @@ def check_paged_attention_values(
 ) -> Layout:
     """`check_paged_attention` plus data checks on the metadata.
 
-    query_start_loc starts at 0, is non-decreasing and ends at T; each q_len is
+    query_start_loc starts at 0, is non-decreasing and ends at most at T (rows
+    past its end are padding and attend to nothing); each q_len is
     at most its seq_len; seq_lens are >= 0 and fit in the block table; every
     block_table entry a sequence uses is in ``[0, num_blocks)``.
     """
@@ -197,16 +214,18 @@ def check_paged_attention_values(
     bt = np.asarray(block_table).astype(np.int64)
     sl = np.asarray(seq_lens).astype(np.int64)
     qsl = np.asarray(query_start_loc).astype(np.int64)
-    if qsl[0] != 0 or qsl[-1] != t:
-        raise ValueError(
-            f"query_start_loc: expected to start at 0 and end at T={t}, got {qsl[0]} ... {qsl[-1]}"
-        )
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc: expected to start at 0, got {qsl[0]}")
     q_lens = np.diff(qsl)
     if (q_lens < 0).any():
         b = int(np.argmax(q_lens < 0))
         raise ValueError(
             f"query_start_loc: expected non-decreasing entries, got {qsl[b]} then {qsl[b + 1]} at index {b}"
         )
+    if qsl[-1] > t:
+        # Ending before T is allowed: rows past query_start_loc[B] are padding
+        # (CUDA-graph / bucketed batches) and come back as zeros.
+        raise ValueError(f"query_start_loc: expected to end at most at T={t} (the query rows), got {qsl[-1]}")
     if (sl < 0).any():
         b = int(np.argmax(sl < 0))
         raise ValueError(f"seq_lens: expected entries >= 0, got {sl[b]} for sequence {b}")

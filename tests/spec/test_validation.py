@@ -50,7 +50,8 @@ ATTENTION_ERRORS = [
     ("seq_lens", lambda a: np.array([9, 2], np.int32), ValueError, "seq_lens: sequence 0 has 9 tokens but block_table holds at most 2 blocks x 4 = 8"),
     ("seq_lens", lambda a: np.array([5, -1], np.int32), ValueError, "seq_lens: expected entries >= 0"),
     ("seq_lens", lambda a: np.array([5], np.int32), ValueError, r"seq_lens: expected shape \[2\]"),
-    ("query_start_loc", lambda a: np.array([0, 2, 1], np.int32), ValueError, "query_start_loc: expected to start at 0 and end at T=3"),
+    ("query_start_loc", lambda a: np.array([0, 2, 1], np.int32), ValueError, "query_start_loc: expected non-decreasing entries, got 2 then 1"),
+    ("query_start_loc", lambda a: np.array([0, 2, 4], np.int32), ValueError, r"query_start_loc: expected to end at most at T=3 \(the query rows\), got 4"),
     ("query_start_loc", lambda a: np.array([0, 3, 3, 3], np.int32), ValueError, r"query_start_loc: expected shape \[3\]"),
     ("query_start_loc", lambda a: np.array([1, 2, 3], np.int32), ValueError, "query_start_loc: expected to start at 0"),
     ("query_start_loc", lambda a: np.array([0, 0, 3], np.int32), ValueError, "query_start_loc: sequence 1 has q_len 3 > seq_lens"),
@@ -70,6 +71,29 @@ def test_unused_block_table_entries_are_not_checked():
     args = good_attention_args()
     args["block_table"] = np.array([[0, 1], [2, -1]], np.int32)  # sequence 1 uses one block only
     reference.paged_attention(**args, preset=PRESET)
+
+
+def test_padding_rows_past_query_start_loc_are_zero():
+    args = good_attention_args()
+    full = reference.paged_attention(**args, preset=PRESET)
+    args["query"] = np.concatenate([args["query"], np.full((2, 4, D), np.nan, np.float32)])
+    padded = reference.paged_attention(**args, preset=PRESET)  # T = 5 > query_start_loc[B] = 3
+    np.testing.assert_array_equal(padded[:3], full)
+    np.testing.assert_array_equal(padded[3:], 0.0)
+
+
+def test_validate_flag_and_environment(monkeypatch):
+    from tq_spec import validation
+
+    monkeypatch.delenv(validation.VALIDATE_ENV, raising=False)
+    assert validation.validate_enabled() is False
+    assert validation.validate_enabled(True) is True
+    monkeypatch.setenv(validation.VALIDATE_ENV, "1")
+    assert validation.validate_enabled() is True and validation.validate_enabled(False) is False
+    monkeypatch.setenv(validation.VALIDATE_ENV, "0")
+    assert validation.validate_enabled() is False
+    with pytest.raises(TypeError, match="validate: expected True, False or None, got 1"):
+        validation.validate_enabled(1)
 
 
 def test_non_monotone_query_start_loc():

@@ -23,7 +23,7 @@ from . import kernel_math as km
 from .cache_access import CacheWords, WordFields, needs_word_view, to_word_view
 from .decode import DecodeConfig, decode_partials, merge_partials
 from .extend import ExtendConfig, extend_attention
-from .inputs import array, index_array, not_differentiable
+from .inputs import array, index_array, not_differentiable, validate_values
 from .kv_tiles import TileSpec
 from .params import resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
@@ -39,7 +39,7 @@ _MAX_PARTIAL_BYTES = 256 * 2**20
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale=None,
                     sliding_window=None, logits_soft_cap=None, sinks=None, rotation=None, codebook=None,
-                    path="auto", interpret=None):
+                    path="auto", interpret=None, validate=None):
     """Paged attention over the (quantized) cache, DESIGN.md section 3.
 
     Args:
@@ -64,6 +64,10 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
       path: ``"auto"``, ``"decode"`` or ``"extend"`` (static; tq_spec.dispatch).
       interpret: None (automatic, decided by the lowering platform: Triton for
         cuda/rocm, Pallas interpret mode elsewhere) or True/False (static).
+      validate: full validation of the metadata values (ranges, monotonic
+        query_start_loc, q_len <= seq_len, block ids in range), with the
+        reference's ValueError. It reads values on the host (a sync), so it
+        is off by default; None means the process default, ``TQ_VALIDATE=1``.
 
     Returns:
       ``[T, Hq, D]`` in the query dtype. Rows with no visible key and padding
@@ -87,6 +91,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
     )
     check_interpret(interpret)
+    if tq_spec.validation.validate_enabled(validate):
+        validate_values(tq_spec.validation.check_paged_attention_values,
+                        dict(block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc),
+                        query=query, kv_cache=kv_cache, preset=preset, scale=scale,
+                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     t, hq, d = (int(s) for s in query.shape)
     n, bs, hkv, _ = (int(s) for s in kv_cache.shape)
     problem = DispatchProblem(

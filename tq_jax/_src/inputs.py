@@ -75,3 +75,26 @@ def not_differentiable(op_name: str, fn):
         )
 
     return op
+
+
+def validate_values(check, metadata: dict, **static) -> None:
+    """Runs a `tq_spec.validation.check_*_values` on the host when ``validate=`` asks for it.
+
+    ``metadata`` maps argument names to the index arrays whose values are
+    checked; ``static`` carries everything else `check` needs (arrays there
+    are only read for shape and dtype). Concrete arrays are checked now, with
+    the same ValueError as the reference. Under a trace the check runs on the
+    host when the computation executes (`jax.debug.callback`), so a bad value
+    fails that call (jax wraps the ValueError in its runtime error).
+    """
+    names = list(metadata)
+    arrays = [metadata[n] for n in names]
+    shapes = {k: (jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v) for k, v in static.items()}
+
+    def run(*values):
+        check(**shapes, **{n: np.asarray(v) for n, v in zip(names, values)})
+
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+        jax.debug.callback(run, *arrays)
+    else:
+        run(*arrays)

@@ -32,7 +32,7 @@ import tq_spec
 
 from . import kernel_math as km
 from .cache_access import CacheWords, WordFields, from_word_view, needs_word_view, to_word_view
-from .inputs import array, index_array, not_differentiable
+from .inputs import array, index_array, not_differentiable, validate_values
 from .params import resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default, pallas_kwargs
 
@@ -43,7 +43,7 @@ _ROTATION_TILE_ELEMENTS = 4096
 
 
 def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codebook=None, interpret=None,
-             donate_cache=False):
+             donate_cache=False, validate=None):
     """Quantizes ``key``/``value`` and writes them into the slots named by `slot_mapping`.
 
     Args:
@@ -66,6 +66,9 @@ def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codeb
         otherwise). The input array is then *consumed*: it is deleted (reading
         it raises) and only the returned cache is valid. Under an outer
         `jax.jit` it has no effect: donate at that jit (``donate_argnums``).
+      validate: full validation of `slot_mapping`'s values (in ``[-1, N * P)``,
+        no duplicates), with the reference's ValueError; reads values on the
+        host (a sync), so off by default; None means ``TQ_VALIDATE=1``.
 
     Returns:
       The new cache (same shape/dtype). Every byte outside the named slots is
@@ -82,6 +85,9 @@ def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codeb
     slot_mapping = index_array("slot_mapping", slot_mapping)
     lay = tq_spec.validation.check_store_kv(key, value, kv_cache, slot_mapping, preset=preset)
     check_interpret(interpret)
+    if tq_spec.validation.validate_enabled(validate):
+        validate_values(tq_spec.validation.check_store_kv_values, dict(slot_mapping=slot_mapping),
+                        key=key, value=value, kv_cache=kv_cache, preset=preset)
     kp = resolve(preset, lay.head_dim, rotation, codebook)
     fn = _store_kv_donated if donate_cache else _store_kv
     return fn(key, value, kv_cache, slot_mapping, kp.rotation, kp.midpoints, preset_name=lay.preset.name,

@@ -45,8 +45,13 @@ def _call(op, impl, *args) -> None:
         impl(*args)
 
 
+def _host(x: torch.Tensor):
+    """A metadata tensor's values on the host (a device sync), for ``validate=``."""
+    return x.detach().cpu().numpy()
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-             preset, rotation=None, codebook=None) -> torch.Tensor:
+             preset, rotation=None, codebook=None, validate=None) -> torch.Tensor:
     """Quantises new keys/values and scatters them into the paged cache, in place.
 
     Args:
@@ -58,6 +63,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
       preset: a preset name or `tq_spec.Preset`.
       rotation, codebook: mse presets only; see `tq_spec.quant_params`
         (a torch tensor ``[D, D]`` is accepted for ``rotation`` as well).
+      validate: full validation of `slot_mapping`'s values (in ``[-1, N * P)``,
+        no duplicates) with the reference's ValueError. It copies the values
+        to the host (a sync), so it is off by default; None means the process
+        default, ``TQ_VALIDATE=1``.
 
     Returns:
       ``kv_cache`` (the same tensor, for convenience).
@@ -66,6 +75,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     for name, x in (("key", key), ("value", value), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
         _expect_tensor(name, x)
     lay = validation.check_store_kv(key, value, kv_cache, slot_mapping, preset=p)
+    if validation.validate_enabled(validate):
+        validation.check_store_kv_values(key, value, kv_cache, _host(slot_mapping), preset=p)
     dev = kv_cache.device
     config.check_device(dev)
     _check_same_device(dev, key=key, value=value, slot_mapping=slot_mapping)
@@ -79,7 +90,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, preset, scale=None,
                     sliding_window=None, logits_soft_cap=None, sinks=None, rotation=None, codebook=None,
-                    path: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+                    path: str = "auto", out: torch.Tensor | None = None, validate=None) -> torch.Tensor:
     """Attention of a varlen query batch over the paged, quantised cache (DESIGN.md section 3).
 
     Args:
@@ -96,6 +107,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
       rotation, codebook: mse presets only (see `tq_spec.quant_params`).
       path: "auto" or a name in `tq_spec.dispatch.PATHS` ("decode", "extend").
       out: optional ``[T, Hq, D]`` tensor of the query's dtype to write into.
+      validate: full validation of the metadata values (ranges, monotonic
+        query_start_loc, q_len <= seq_len, block ids in range) with the
+        reference's ValueError. It copies them to the host (a sync), so it is
+        off by default; None means the process default, ``TQ_VALIDATE=1``.
 
     Returns:
       ``[T, Hq, D]`` in the query dtype (``out`` if given).
@@ -103,12 +118,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     return _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset,
                             scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                             sinks=sinks, rotation=rotation, codebook=codebook, path=path, out=out,
-                            num_splits=0)
+                            num_splits=0, validate=validate)
 
 
 def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale,
                      sliding_window, logits_soft_cap, sinks, rotation, codebook, path, out,
-                     num_splits: int):
+                     num_splits: int, validate=None):
     """`paged_attention` with the decode split count forceable (0 = automatic), for tests."""
     p = tq_spec.get_preset(preset)
     for name, x in (("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
@@ -119,6 +134,10 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
     lay = validation.check_paged_attention(
         query, kv_cache, block_table, seq_lens, query_start_loc, preset=p, scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if validation.validate_enabled(validate):
+        validation.check_paged_attention_values(
+            query, kv_cache, _host(block_table), _host(seq_lens), _host(query_start_loc), preset=p, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if not isinstance(path, str):
         raise TypeError(f"path: expected a str ('auto' or a path name), got {type(path).__name__}")
     dev = kv_cache.device
