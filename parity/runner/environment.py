@@ -5,6 +5,10 @@
   in the environment before `tq_torch` is imported.
 * JAX next to torch on one GPU: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so
   XLA does not grab most of the memory up front (DESIGN.md section 7).
+* Full metadata validation (``TQ_VALIDATE``, the ops' ``validate=`` default):
+  on for the parity suite, which checks correctness; off for the benchmarks,
+  whose timings must not include its host sync. An explicit setting in the
+  environment wins for the suite; the benchmarks always turn it off.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ def cuda_available() -> bool:
         return False
 
 
-def configure(has_gpu: bool | None = None) -> bool:
+def configure(has_gpu: bool | None = None, *, validate: bool = True) -> bool:
     """Sets the environment for this process; returns whether a GPU is used."""
     gpu = cuda_available() if has_gpu is None else has_gpu
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if validate:
+        os.environ.setdefault("TQ_VALIDATE", "1")
+    else:
+        os.environ["TQ_VALIDATE"] = "0"
     return gpu
 
 
