@@ -2,6 +2,7 @@
 
     python -m tq_jax.examples.generate --tiny     # 2 layers, D=64: ~30 s on 2 CPU cores (Pallas interpret mode)
     python -m tq_jax.examples.generate            # 4 layers, D=128, every preset (GPU; ~2 min on CPU)
+    python -m tq_jax.examples.generate --bf16-ends --presets turboquant_4bit_nc   # per-layer presets
 
 Random weights; the point is the plumbing and the quality of the cache, not
 the text. Per preset the same model (same weights) runs:
@@ -214,6 +215,8 @@ def compare(cfg: Config, presets, *, steps: int, seed: int = 0, verbose: bool = 
         print(f"{'preset':20s} {'worst cos':>10s} {'mean cos':>9s} {'argmax':>7s} {'greedy':>7s} {'tok/s':>9s} "
               f"{'cache KiB':>10s} {'B/token':>8s}")
     for preset in presets:
+        name = preset if isinstance(preset, str) else "+".join(dict.fromkeys(preset))
+        layer_presets = [preset] * cfg.num_layers if isinstance(preset, str) else list(preset)
         forced = run(cfg, preset, steps=steps, forced=dense["tokens"], seed=seed)
         free = run(cfg, preset, steps=steps, seed=seed)
         a, d = forced["logits"].reshape(-1, cfg.vocab), dense["logits"].reshape(-1, cfg.vocab)
@@ -222,11 +225,11 @@ def compare(cfg: Config, presets, *, steps: int, seed: int = 0, verbose: bool = 
                  argmax_agreement=float(np.mean(a.argmax(-1) == d.argmax(-1))),
                  greedy_agreement=float(np.mean(free["tokens"] == dense["tokens"])),
                  tokens_per_s=free["decode_tokens"] / free["seconds"], cache_bytes=free["cache_bytes"],
-                 bytes_per_token=cache_bytes_per_token(preset, head_dim=cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
-                                                       num_layers=per_tok_layers))
-        results[preset] = r
+                 bytes_per_token=cache_bytes_per_token(layer_presets[:per_tok_layers], head_dim=cfg.head_dim,
+                                                       num_kv_heads=cfg.num_kv_heads))
+        results[name] = r
         if verbose:
-            print(f"{preset:20s} {r['worst_cosine']:10.6f} {r['mean_cosine']:9.6f} {r['argmax_agreement']:7.3f} "
+            print(f"{name:20s} {r['worst_cosine']:10.6f} {r['mean_cosine']:9.6f} {r['argmax_agreement']:7.3f} "
                   f"{r['greedy_agreement']:7.3f} {r['tokens_per_s']:9.1f} {r['cache_bytes'] / 1024:10.1f} "
                   f"{r['bytes_per_token']:8d}")
     return results
@@ -239,6 +242,8 @@ def main(argv=None):
     ap.add_argument("--presets", default=None, help=f"comma-separated, from {','.join(ALL_PRESETS)}")
     ap.add_argument("--steps", type=int, default=None, help="greedy decode steps (default 8 tiny, 32 otherwise)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bf16-ends", action="store_true",
+                    help="first and last layer keep a bf16 cache (vLLM's boundary layers), the others the preset")
     args = ap.parse_args(argv)
     cfg = TINY if args.tiny else Config()
     default = "bf16,turboquant_4bit_nc" if args.tiny else ",".join(ALL_PRESETS)
@@ -247,6 +252,10 @@ def main(argv=None):
         if p not in ALL_PRESETS:
             ap.error(f"--presets: unknown preset {p!r}; expected some of {', '.join(ALL_PRESETS)}")
     steps = args.steps if args.steps is not None else (8 if args.tiny else 32)
+    if args.bf16_ends:
+        n = cfg.num_layers
+        presets = [p if p in ("bf16", "fp16") else tuple("bf16" if i in (0, n - 1) else p for i in range(n))
+                   for p in presets]
     return compare(cfg, presets, steps=steps, seed=args.seed)
 
 
