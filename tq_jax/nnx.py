@@ -251,8 +251,9 @@ class Attention(nnx.Module):
       num_blocks, block_size: when both given the layer owns its cache
         (``self.cache``, see `init_cache`); otherwise pass ``cache=`` per call.
       kv_source: another `Attention` (or a cache module) whose cache this layer
-        reads (KV sharing / YOCO): the layer projects only Q and stores
-        nothing; the source layer must run earlier in the same step.
+        reads (KV sharing / YOCO): the layer projects only Q, stores
+        nothing and owns no cache (``num_blocks`` is ignored); the source
+        layer must run earlier in the same step.
       rope: True (built-in `apply_rope` with ``rope_theta``), False/None (no
         RoPE), or a callable ``(x [T, H, D], positions int32[T]) -> [T, H, D]``
         applied to Q and K.
