@@ -32,11 +32,17 @@ from .kernel_math import to_dtype_rne
 
 
 @triton.jit
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     cache_u8, cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cn, stride_cp, stride_ch,
     sm_scale, softcap, window, num_seqs, group, block_q, num_q_heads, num_splits,
+    num_tokens, num_blocks, max_seq_len,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
@@ -49,18 +55,21 @@ def paged_attention_kernel(
     split = tl.program_id(2)
     # Largest sequence b with first_tile(b) = qsl[b] // block_q + b <= pid.
     # (`pid * 0 + ...` keeps both bounds int32 tensors even when Triton
-    # specialises num_seqs == 1 into a constant.)
+    # specialises num_seqs == 1 into a constant.) Metadata guards, always on
+    # (no value of qsl/seq_lens/block_table may move an access outside the
+    # op's buffers): query ranges are clamped to [0, T], lengths to what the
+    # block table can address, and block ids outside [0, N) mask their keys.
     lo = pid * 0
     hi = pid * 0 + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        take = tl.load(qsl_ptr + mid) // block_q + mid <= pid
+        take = _clamp(tl.load(qsl_ptr + mid), 0, num_tokens) // block_q + mid <= pid
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid - 1)
     seq = lo
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
+    q_start = _clamp(tl.load(qsl_ptr + seq), 0, num_tokens)
+    q_len = _clamp(tl.load(qsl_ptr + seq + 1), q_start, num_tokens) - q_start
+    seq_len = _clamp(tl.load(seq_lens_ptr + seq), 0, max_seq_len)
     tok0 = (pid - (q_start // block_q + seq)) * block_q
     if tok0 < q_len:
         d = tl.arange(0, D_PAD)
@@ -84,7 +93,7 @@ def paged_attention_kernel(
         acc, m_i, l_i = attend_key_range(
             q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi,
             bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_u8, cache_i16, cb_ptr,
-            stride_cn, stride_cp, stride_ch, sm_scale, softcap, window,
+            stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
             DOT_DTYPE, PREFETCH, INTERPRET,
@@ -103,8 +112,9 @@ def paged_attention_kernel(
                 rescale = tl.exp2(m_i - m_fin)  # m_i = -inf (no key seen) -> 0
                 l_i = l_i * rescale + tl.exp2(sink - m_fin)
                 acc = acc * rescale[:, None]
+            # `!= 0`, not `> 0`: a NaN denominator (NaN query or sink) must give NaN.
             denom = tl.zeros_like(acc) + l_i[:, None]
-            o = tl.where(denom > 0.0, tl.math.div_rn(acc, tl.where(denom > 0.0, denom, 1.0)), 0.0)
+            o = tl.where(denom != 0.0, tl.math.div_rn(acc, tl.where(denom != 0.0, denom, 1.0)), 0.0)
             optrs = out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
             tl.store(optrs, to_dtype_rne(o, OUT_DTYPE, INTERPRET), mask=dmask)
 
@@ -127,6 +137,7 @@ def launch_tiles(q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroid
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         sm_scale, softcap, window, num_seqs, g, block_q, hq, num_splits,
+        t, kv_cache.shape[0], block_table.shape[1] * kv_cache.shape[1],
         PAGE_SIZE=kv_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=sinks is not None,
         SPLIT_KV=split_kv,
         DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, PREFETCH=prefetch, INTERPRET=interpret, num_warps=num_warps,

@@ -58,8 +58,9 @@ def _decode_merge_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :],
                   mask=smask[:, None] & (d < D)[None, :], other=0.0)
     o = tl.sum(w[:, None] * acc, axis=0)
+    # `!= 0`, not `> 0`: a NaN denominator (NaN query or sink) must give NaN.
     denom_v = tl.zeros_like(o) + denom
-    o = tl.where(denom_v > 0.0, tl.math.div_rn(o, tl.where(denom_v > 0.0, denom_v, 1.0)), 0.0)
+    o = tl.where(denom_v != 0.0, tl.math.div_rn(o, tl.where(denom_v != 0.0, denom_v, 1.0)), 0.0)
     o = tl.where(real, o, 0.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, to_dtype_rne(o, OUT_DTYPE, INTERPRET),
              mask=d < D)

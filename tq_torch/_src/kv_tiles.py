@@ -36,11 +36,16 @@ LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr glo
 
 
 @triton.jit
-def load_block_ids(bt_ptr, bt_row, keys, key_valid, PAGE_SIZE: tl.constexpr):
-    """Raw block ids ``[BN]`` int32 of key positions ``keys`` (0 where invalid)."""
+def load_block_ids(bt_ptr, bt_row, keys, key_valid, num_blocks, PAGE_SIZE: tl.constexpr):
+    """Block ids ``[BN]`` int32 of key positions ``keys``; -1 where the key is invalid.
+
+    A block id outside ``[0, num_blocks)`` (bad metadata) also comes back as
+    -1: the caller masks that key, so no load leaves the cache.
+    """
     # The page size is a constexpr (one compile per page size): a division by
     # a runtime value costs ~20 integer instructions per key.
-    return tl.load(bt_ptr + bt_row + keys // PAGE_SIZE, mask=key_valid, other=0)
+    blk = tl.load(bt_ptr + bt_row + keys // PAGE_SIZE, mask=key_valid, other=-1)
+    return tl.where((blk >= 0) & (blk < num_blocks), blk, -1)
 
 
 @triton.jit
@@ -150,6 +155,19 @@ def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
 
 
 @triton.jit
+def _fetch_keys(cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+                PAGE_SIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr,
+                KEY_FIELD_BITS: tl.constexpr, KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr,
+                VALUE_FIELD_BITS: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
+                VALUE_ZERO_OFF: tl.constexpr):
+    """`fetch_kv_tile` of key positions ``keys [BN]`` in pages ``blk`` (block ids, -1 = masked)."""
+    slot = slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
+    return fetch_kv_tile(cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS,
+                         KEY_NORM_OFF, VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF,
+                         VALUE_ZERO_OFF)
+
+
+@triton.jit
 def _fp16_bits_to_f32(bits):
     return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
@@ -207,7 +225,7 @@ def decode_value_tile(va, vb, vc, vscale, vzero, key_valid,
 def attend_key_range(
     q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-    stride_cn, stride_cp, stride_ch, sm_scale, softcap, window,
+    stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
@@ -228,31 +246,32 @@ def attend_key_range(
     if PREFETCH:
         # Prologue of the hand pipeline: tile 0's words, tile 1's block ids.
         keys = k_lo + lane
-        key_valid = keys < k_hi
-        blk = load_block_ids(bt_ptr, bt_row, keys, key_valid, PAGE_SIZE)
-        slot = slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
-        ka, kb, kc, knorm, va, vb, vc, vscale, vzero = fetch_kv_tile(
-            cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+        blk = load_block_ids(bt_ptr, bt_row, keys, keys < k_hi, num_blocks, PAGE_SIZE)
+        key_valid = blk >= 0
+        ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
+            cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+            PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
-        blk_next = load_block_ids(bt_ptr, bt_row, keys + BLOCK_N, (keys + BLOCK_N) < k_hi, PAGE_SIZE)
+        blk_next = load_block_ids(bt_ptr, bt_row, keys + BLOCK_N, (keys + BLOCK_N) < k_hi, num_blocks, PAGE_SIZE)
     for start in range(k_lo, k_hi, BLOCK_N):
         keys = start + lane
-        key_valid = keys < k_hi
         if PREFETCH:
             # Tile i+1's words (its block ids arrived during tile i-1) and
             # tile i+2's block ids, all in flight while tile i is computed.
             keys_n = keys + BLOCK_N
-            valid_n = keys_n < k_hi
-            slot_n = slot_byte_offsets(blk_next, keys_n, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
-            ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n = fetch_kv_tile(
-                cache_u8, cache_i16, slot_n, valid_n, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+            valid_n = blk_next >= 0
+            ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n = _fetch_keys(
+                cache_u8, cache_i16, blk_next, keys_n, valid_n, kv_head, stride_cn, stride_cp, stride_ch,
+                PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
-            blk_next = load_block_ids(bt_ptr, bt_row, keys_n + BLOCK_N, (keys_n + BLOCK_N) < k_hi, PAGE_SIZE)
+            blk_next = load_block_ids(bt_ptr, bt_row, keys_n + BLOCK_N, (keys_n + BLOCK_N) < k_hi, num_blocks,
+                                      PAGE_SIZE)
         else:
-            blk = load_block_ids(bt_ptr, bt_row, keys, key_valid, PAGE_SIZE)
-            slot = slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
-            ka, kb, kc, knorm, va, vb, vc, vscale, vzero = fetch_kv_tile(
-                cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+            blk = load_block_ids(bt_ptr, bt_row, keys, keys < k_hi, num_blocks, PAGE_SIZE)
+            key_valid = blk >= 0
+            ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
+                cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+                PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
 
         k, k_factor = decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, KEY_FORMAT, KEY_FIELD_BITS,
@@ -289,6 +308,7 @@ def attend_key_range(
         m_i = m_new
         if PREFETCH:
             ka, kb, kc, knorm, va, vb, vc, vscale, vzero = ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n
+            key_valid = valid_n
     return acc, m_i, l_i
 
 
