@@ -26,6 +26,11 @@ class DispatchProblem:
     block_size: int
     preset: PresetLike
     sliding_window: Optional[int] = None
+    # Static facts the ``dequant`` path needs: the query dtype name ("bfloat16",
+    # "float16", "float32") and the block table's width. None = unknown, and
+    # then ``dequant`` is not eligible.
+    query_dtype: Optional[str] = None
+    max_blocks: Optional[int] = None
 
     @property
     def group_size(self) -> int:
@@ -48,6 +53,36 @@ def _always(_: DispatchProblem) -> Optional[str]:
     return None
 
 
+# The ``dequant`` path's workspace holds every page the block table can name
+# (static shapes, so a CUDA graph can capture it); above this size it is not
+# eligible.
+DEQUANT_WORKSPACE_BYTES = 1 << 30
+
+
+def dequant_workspace_bytes(problem: DispatchProblem) -> int:
+    """Bytes of the ``dequant`` path's 16-bit K/V workspace: ``[B * max_blocks, P, Hkv, 4 * D]``."""
+    return (problem.num_seqs * (problem.max_blocks or 0) * problem.block_size * problem.num_kv_heads
+            * 4 * problem.head_dim)
+
+
+def _dequant_ineligible(problem: DispatchProblem) -> Optional[str]:
+    if problem.query_dtype not in ("bfloat16", "float16"):
+        return (f"the workspace holds 16-bit K/V, so the query must be bfloat16 or float16 "
+                f"(got {problem.query_dtype or 'an unknown dtype'})")
+    if problem.max_blocks is None:
+        return "the block table width is unknown"
+    need = dequant_workspace_bytes(problem)
+    if need > DEQUANT_WORKSPACE_BYTES:
+        return f"the workspace would take {need} bytes (limit {DEQUANT_WORKSPACE_BYTES})"
+    return None
+
+
+# `auto` takes ``dequant`` for batches with at least this many query rows per
+# sequence on average (prefills, chunked prefills, mixed batches), where the
+# extend tiles would dequantise each key once per row tile.
+DEQUANT_MIN_TOKENS_PER_SEQ = 16
+
+
 PATHS: dict[str, PathRule] = {
     rule.name: rule
     for rule in (
@@ -64,9 +99,34 @@ PATHS: dict[str, PathRule] = {
             "(prefill, chunked prefill, prefix-cached continuation, mixed batches)",
             _always,
         ),
+        PathRule(
+            "dequant",
+            "dequantise every page the batch can see into a 16-bit K/V workspace (one pass), then "
+            "the extend tiles over it; for prefill-heavy batches",
+            _dequant_ineligible,
+        ),
     )
 }
 PATH_NAMES: tuple[str, ...] = tuple(PATHS)
+
+
+def dtype_name(x) -> str:
+    """``"bfloat16"``, ``"float16"``, ``"float32"``...: an array's dtype name (numpy, torch or jax)."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def problem_for(query, kv_cache, block_table, *, preset: PresetLike,
+                sliding_window: Optional[int] = None) -> DispatchProblem:
+    """The `DispatchProblem` of a `paged_attention` call, from its arrays' static shapes and dtypes.
+
+    ``query [T, Hq, D]``, ``kv_cache [N, P, Hkv, slot_bytes]``, ``block_table [B, max_blocks]``:
+    numpy, torch or jax arrays (only shapes and the query dtype are read; no device sync).
+    """
+    t, hq, d = (int(s) for s in query.shape)
+    return DispatchProblem(
+        num_tokens=t, num_seqs=int(block_table.shape[0]), num_q_heads=hq, num_kv_heads=int(kv_cache.shape[2]),
+        head_dim=d, block_size=int(kv_cache.shape[1]), preset=preset, sliding_window=sliding_window,
+        query_dtype=dtype_name(query), max_blocks=int(block_table.shape[1]))
 
 
 def eligible_paths(problem: DispatchProblem) -> tuple[str, ...]:
@@ -78,7 +138,9 @@ def select_path(problem: DispatchProblem, path: str = "auto") -> str:
     """The path to run: `path` if forced (and eligible), else the automatic choice.
 
     Automatic: ``decode`` when ``num_tokens <= num_seqs`` (at most one query per
-    sequence on average: a decode or decode-dominated batch), else ``extend``.
+    sequence on average: a decode or decode-dominated batch); else ``dequant``
+    for a quantised preset with at least `DEQUANT_MIN_TOKENS_PER_SEQ` rows per
+    sequence when it is eligible; else ``extend``.
 
     Raises:
       ValueError: unknown path name.
@@ -86,7 +148,14 @@ def select_path(problem: DispatchProblem, path: str = "auto") -> str:
     """
     get_preset(problem.preset)
     if path == "auto":
-        choice = "decode" if problem.num_tokens <= problem.num_seqs else "extend"
+        if problem.num_tokens <= problem.num_seqs:
+            choice = "decode"
+        elif (get_preset(problem.preset).key_format != "raw"
+              and problem.num_tokens >= DEQUANT_MIN_TOKENS_PER_SEQ * problem.num_seqs
+              and PATHS["dequant"].ineligible(problem) is None):
+            choice = "dequant"
+        else:
+            choice = "extend"
         if PATHS[choice].ineligible(problem) is None:
             return choice
         for name, rule in PATHS.items():

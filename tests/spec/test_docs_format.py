@@ -63,10 +63,19 @@ def test_offsets_table_at_d128(name):
 
 
 def test_auto_rule_as_documented():
-    # "path="auto" picks decode when T <= B, else extend"
+    # "path="auto" picks decode when T <= B; else dequant for a quantised preset when T >= 16 * B
+    # and dequant is eligible; else extend"
     text = open(DOC, encoding="utf-8").read()
-    assert "picks `decode` when `T <= B`" in text
-    for t, b, want in ((1, 1, "decode"), (4, 4, "decode"), (3, 4, "decode"), (5, 4, "extend")):
-        problem = tq_spec.dispatch.DispatchProblem(t, b, 8, 2, 128, 16, "bf16")
-        assert tq_spec.dispatch.select_path(problem) == want
-    assert set(tq_spec.dispatch.PATH_NAMES) == {"decode", "extend"}
+    assert "picks `decode` when `T <= B`" in text and "`T >= 16 * B`" in text
+    dispatch = tq_spec.dispatch
+    for t, b, preset, dtype, want in ((1, 1, "bf16", "bfloat16", "decode"), (4, 4, "bf16", "bfloat16", "decode"),
+                                      (3, 4, "turboquant_4bit_nc", "bfloat16", "decode"),
+                                      (5, 4, "turboquant_4bit_nc", "bfloat16", "extend"),
+                                      (64, 4, "turboquant_4bit_nc", "bfloat16", "dequant"),
+                                      (64, 4, "turboquant_k8v4", "float16", "dequant"),
+                                      (64, 4, "turboquant_4bit_nc", "float32", "extend"),
+                                      (64, 4, "bf16", "bfloat16", "extend")):
+        problem = dispatch.DispatchProblem(t, b, 8, 2, 128, 16, preset, query_dtype=dtype, max_blocks=8)
+        assert dispatch.select_path(problem) == want, (t, b, preset, dtype)
+    assert dispatch.PATH_NAMES == ("decode", "extend", "dequant")
+    assert "1 GiB" in text and dispatch.DEQUANT_WORKSPACE_BYTES == 1 << 30

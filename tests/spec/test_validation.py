@@ -158,7 +158,18 @@ def test_dispatch_table():
     prefill = dispatch.DispatchProblem(40, 4, 8, 2, 128, 16, PRESET)
     assert dispatch.select_path(decode) == "decode"
     assert dispatch.select_path(prefill) == "extend"
-    assert dispatch.eligible_paths(prefill) == dispatch.PATH_NAMES
+    # Without the query dtype and block-table width, the dequant workspace cannot be sized.
+    assert dispatch.eligible_paths(prefill) == ("decode", "extend")
+    full = dispatch.DispatchProblem(40, 4, 8, 2, 128, 16, PRESET, query_dtype="bfloat16", max_blocks=4)
+    assert dispatch.eligible_paths(full) == dispatch.PATH_NAMES
+    assert dispatch.select_path(full) == "extend"  # 10 rows per sequence: below the dequant threshold
+    huge = dispatch.DispatchProblem(4096, 4, 8, 2, 128, 16, PRESET, query_dtype="bfloat16", max_blocks=1 << 16)
+    assert dispatch.select_path(huge) == "extend"
+    with pytest.raises(NotImplementedError, match="path 'dequant' cannot run this problem: the workspace would take"):
+        dispatch.select_path(huge, "dequant")
+    fp32 = dispatch.DispatchProblem(4096, 4, 8, 2, 128, 16, PRESET, query_dtype="float32", max_blocks=8)
+    with pytest.raises(NotImplementedError, match="query must be bfloat16 or float16"):
+        dispatch.select_path(fp32, "dequant")
     assert dispatch.select_path(prefill, "decode") == "decode"
     with pytest.raises(ValueError, match="path: expected 'auto' or one of"):
         dispatch.select_path(decode, "flash")

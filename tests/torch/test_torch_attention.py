@@ -49,7 +49,9 @@ def test_every_path_matches_reference(case, preset):
     built = build(case, preset)
     cache_before = built.kv_cache.clone()
     paths = eligible_paths(built)
-    assert set(paths) == set(tq_torch.PATH_NAMES), "cases here are eligible for every path"
+    # Every path but `dequant`, whose workspace is 16-bit, is eligible for every case here.
+    expected = set(tq_torch.PATH_NAMES) - ({"dequant"} if built.query.dtype == torch.float32 else set())
+    assert set(paths) == expected
     outs = {}
     reference_out = None
     for path in paths:
@@ -57,7 +59,8 @@ def test_every_path_matches_reference(case, preset):
         cmp = check_against_reference(built, outs[path], reference_out=reference_out)
         assert cmp.max_err <= cmp.bound
     auto = tq_torch.paged_attention(*built.args(), **built.kwargs())
-    chosen = "decode" if built.query.shape[0] <= len(case.seq_lens) else "extend"
+    chosen = tq_spec.dispatch.select_path(tq_spec.dispatch.problem_for(
+        built.query, built.kv_cache, built.block_table, preset=preset, sliding_window=case.window))
     assert torch.equal(auto, outs[chosen]), "path='auto' must run the path the dispatch table picks"
     assert torch.equal(built.kv_cache, cache_before), "attention must not write the cache"
 

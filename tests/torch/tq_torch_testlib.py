@@ -155,11 +155,8 @@ def build(case: AttnCase, preset: str, *, seed: int = 0, dev: torch.device | Non
 
 
 def eligible_paths(built: Built) -> tuple[str, ...]:
-    c = built.case
-    problem = dispatch.DispatchProblem(
-        num_tokens=built.query.shape[0], num_seqs=len(c.seq_lens), num_q_heads=c.num_q_heads,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.page, preset=built.preset,
-        sliding_window=c.window)
+    problem = dispatch.problem_for(built.query, built.kv_cache, built.block_table, preset=built.preset,
+                                   sliding_window=built.case.window)
     return dispatch.eligible_paths(problem)
 
 

@@ -155,9 +155,7 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
                 f"out: expected {query.dtype}{list(query.shape)} (the query's), got {out.dtype}{list(out.shape)}")
         if out.stride(-1) != 1:
             raise ValueError(f"out: expected a contiguous last dim (stride 1), got strides {out.stride()}")
-    problem = dispatch.DispatchProblem(
-        num_tokens=t, num_seqs=block_table.shape[0], num_q_heads=hq, num_kv_heads=kv_cache.shape[2],
-        head_dim=d, block_size=kv_cache.shape[1], preset=p.name, sliding_window=sliding_window)
+    problem = dispatch.problem_for(query, kv_cache, block_table, preset=p.name, sliding_window=sliding_window)
     chosen = dispatch.select_path(problem, path)
     kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
     _call(torch.ops.tq_torch.paged_attention, ops.paged_attention_impl,

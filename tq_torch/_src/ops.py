@@ -22,6 +22,7 @@ from . import config, params
 from .decode import launch_decode
 from .extend import launch_extend
 from .store import launch_store_kv
+from .workspace import launch_dequant
 
 
 def store_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -63,17 +64,17 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     """Paged attention into ``out [T, Hq, D]`` (every element written).
 
     ``sliding_window`` 0 and ``logits_soft_cap`` 0.0 mean "none"; ``path`` is
-    a resolved path name ("decode" or "extend"); ``num_splits`` 0 = automatic.
+    a resolved path name (see `tq_spec.dispatch.PATHS`); ``num_splits`` 0 = automatic.
     Rows past ``query_start_loc[B]`` (padding) come back as zeros.
     """
     t, hq, d = query.shape
     if t == 0:
         return
-    if path not in ("decode", "extend"):
-        raise ValueError(f"path: expected a resolved path ('decode' or 'extend'), got {path!r}")
+    if path not in tq_spec.dispatch.PATHS:
+        raise ValueError(f"path: expected a resolved path (one of {tq_spec.dispatch.PATH_NAMES}), got {path!r}")
     dev = kv_cache.device
     interpret = config.interpreted(dev)
-    fmt, d_pad, tiles = _attention_setup(preset, d, path, interpret)
+    fmt, d_pad, tiles = _attention_setup(preset, d, "extend" if path == "dequant" else path, interpret)
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = centroids if centroids is not None else params.default_centroids(preset, d, dev)
         # q_rot = Pi @ q once per call, in float64 then rounded to fp32 (immune
@@ -102,6 +103,10 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
             programs_per_sm=tiles["programs_per_sm"])
         launch_decode(q, out, kv_cache, cache_i16, cents, block_table, seq_lens, query_start_loc, sinks,
                       num_splits=splits, block_m=config.decode_block_m(hq // hkv), **common)
+    elif path == "dequant":
+        raw_tiles = config.attention_tiles(d_pad, interpret, "extend", "raw")
+        launch_dequant(q, out, kv_cache, cache_i16, cents, block_table, seq_lens, query_start_loc, sinks,
+                       raw_tiles=raw_tiles, **common)
     else:
         launch_extend(q, out, kv_cache, cache_i16, cents, block_table, seq_lens, query_start_loc, sinks,
                       block_m=tiles["extend_block_m"], **common)
