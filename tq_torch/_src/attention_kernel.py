@@ -81,6 +81,10 @@ def paged_attention_kernel(
         # Keys any row of this tile may see: [k_lo, k_hi).
         k_hi = seq_len - q_len + tl.minimum(tok0 + block_q, q_len)
         k_lo = tl.where(window > 0, tl.maximum(seq_len - q_len + tok0 - window + 1, 0), 0)
+        # Keys every valid row sees, [all_lo, all_hi): causal up to the first row's
+        # position, window from the last row's.
+        all_hi = seq_len - q_len + tok0 + 1
+        all_lo = tl.where(window > 0, k_hi - window, 0)
         if SPLIT_KV:
             chunk = tl.cdiv(tl.cdiv(tl.maximum(k_hi - k_lo, 0), num_splits), BLOCK_N) * BLOCK_N
             k_lo = k_lo + split * chunk
@@ -91,7 +95,7 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = attend_key_range(
-            q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi,
+            q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi, all_lo, all_hi,
             bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_u8, cache_i16, cb_ptr,
             stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,

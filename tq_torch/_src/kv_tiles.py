@@ -222,38 +222,28 @@ def decode_value_tile(va, vb, vc, vscale, vzero, key_valid,
 
 
 @triton.jit
-def attend_key_range(
-    q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi,
+def _key_loop(
+    q, acc, m_i, l_i, pos, row_valid, start_lo, start_hi, k_hi,
+    ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
     stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
+    MASKED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
     RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Online softmax of rows ``q [BLOCK_M, D_PAD]`` over keys ``[k_lo, k_hi)`` of one sequence.
+    """Key tiles starting at ``[start_lo, start_hi)`` (step BLOCK_N) of the online softmax.
 
-    ``pos [BLOCK_M]``: each row's absolute query position; key ``j`` is visible
-    iff ``j <= pos`` (and ``j > pos - window`` when ``window > 0``);
-    ``softcap > 0`` enables the soft cap. Both are runtime scalars (uniform
-    branches): one compiled kernel serves every masking variant. Returns the
-    updated ``(acc [BLOCK_M, D_PAD], m_i, l_i)`` (unnormalised, log2 domain).
-    ``PREFETCH``: hand-pipeline the loads one tile ahead (else Triton's
-    pipeliner may, with ``num_stages`` > 1).
+    ``MASKED`` False: every key of these tiles below ``k_hi`` is visible to every valid row
+    (causal and window checks skipped; only keys of masked pages are dropped), the common
+    case away from the diagonal and the window edge. With ``PREFETCH`` the raw words of the
+    first tile come in (``ka`` ... ``key_valid``, and ``blk_next`` the block ids of the tile
+    after) and those of the tile after ``start_hi`` go out.
     """
     lane = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        # Prologue of the hand pipeline: tile 0's words, tile 1's block ids.
-        keys = k_lo + lane
-        blk = load_block_ids(bt_ptr, bt_row, keys, keys < k_hi, num_blocks, PAGE_SIZE)
-        key_valid = blk >= 0
-        ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
-            cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
-            PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
-            VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
-        blk_next = load_block_ids(bt_ptr, bt_row, keys + BLOCK_N, (keys + BLOCK_N) < k_hi, num_blocks, PAGE_SIZE)
-    for start in range(k_lo, k_hi, BLOCK_N):
+    for start in range(start_lo, start_hi, BLOCK_N):
         keys = start + lane
         if PREFETCH:
             # Tile i+1's words (its block ids arrived during tile i-1) and
@@ -266,32 +256,39 @@ def attend_key_range(
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
             blk_next = load_block_ids(bt_ptr, bt_row, keys_n + BLOCK_N, (keys_n + BLOCK_N) < k_hi, num_blocks,
                                       PAGE_SIZE)
+            c_ka, c_kb, c_kc, c_knorm, c_va, c_vb, c_vc, c_vscale, c_vzero = ka, kb, kc, knorm, va, vb, vc, vscale, vzero
+            c_valid = key_valid
         else:
             blk = load_block_ids(bt_ptr, bt_row, keys, keys < k_hi, num_blocks, PAGE_SIZE)
-            key_valid = blk >= 0
-            ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
-                cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+            c_valid = blk >= 0
+            c_ka, c_kb, c_kc, c_knorm, c_va, c_vb, c_vc, c_vscale, c_vzero = _fetch_keys(
+                cache_u8, cache_i16, blk, keys, c_valid, kv_head, stride_cn, stride_cp, stride_ch,
                 PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
 
-        k, k_factor = decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, KEY_FORMAT, KEY_FIELD_BITS,
+        k, k_factor = decode_key_tile(c_ka, c_kb, c_kc, c_knorm, cb_ptr, c_valid, KEY_FORMAT, KEY_FIELD_BITS,
                                       NORM_CORRECTION, RAW_DTYPE, INTERPRET)
         s = dot(q, tl.trans(dot_operand(k, DOT_DTYPE, INTERPRET)), DOT_DTYPE, INTERPRET)
-        s = s * (k_factor * sm_scale)[None, :]
         if softcap > 0:
             # On the scaled logits, before masking (DESIGN.md section 3).
-            s = softcap * tanh_f32(s / softcap)
-        s = s * LOG2E
-        visible = key_valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
-        if window > 0:
-            visible = visible & (keys[None, :] > pos[:, None] - window)
+            s = s * (k_factor * sm_scale)[None, :]
+            s = (softcap * LOG2E) * tanh_f32(s / softcap)
+        else:
+            s = s * (k_factor * (sm_scale * LOG2E))[None, :]
+        if MASKED:
+            visible = c_valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
+            if window > 0:
+                visible = visible & (keys[None, :] > pos[:, None] - window)
+        else:
+            # Padding rows need no mask here: their scores are never stored.
+            visible = c_valid[None, :] & (pos >= -2147483647)[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_scale, v_zero = decode_value_tile(va, vb, vc, vscale, vzero, key_valid, VALUE_FORMAT,
+        v, v_scale, v_zero = decode_value_tile(c_va, c_vb, c_vc, c_vscale, c_vzero, c_valid, VALUE_FORMAT,
                                                VALUE_FIELD_BITS, RAW_DTYPE)
         # P @ (codes * scale + zero) = (P * scale) @ codes + P @ zero. `where`
         # on the visibility, not the product alone: a masked key's garbage
@@ -309,6 +306,80 @@ def attend_key_range(
         if PREFETCH:
             ka, kb, kc, knorm, va, vb, vc, vscale, vzero = ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n
             key_valid = valid_n
+    return acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next
+
+
+@triton.jit
+def attend_key_range(
+    q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi, all_lo, all_hi,
+    bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+    stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
+    VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Online softmax of rows ``q [BLOCK_M, D_PAD]`` over keys ``[k_lo, k_hi)`` of one sequence.
+
+    ``pos [BLOCK_M]``: each row's absolute query position; key ``j`` is visible
+    iff ``j <= pos`` (and ``j > pos - window`` when ``window > 0``);
+    ``softcap > 0`` enables the soft cap. Both are runtime scalars (uniform
+    branches): one compiled kernel serves every masking variant. Keys in
+    ``[all_lo, all_hi)`` are visible to every valid row: whole tiles inside it
+    skip the causal and window checks. Returns the updated
+    ``(acc [BLOCK_M, D_PAD], m_i, l_i)`` (unnormalised, log2 domain).
+    ``PREFETCH``: hand-pipeline the loads one tile ahead (else Triton's
+    pipeliner may, with ``num_stages`` > 1).
+    """
+    # Tile starts k_lo + i * BLOCK_N: masked ones before mid_lo (window edge),
+    # unmasked ones in [mid_lo, mid_hi), masked ones from mid_hi (the diagonal).
+    mid_lo = tl.minimum(k_lo + tl.cdiv(tl.maximum(all_lo - k_lo, 0), BLOCK_N) * BLOCK_N, k_hi)
+    mid_lo = tl.maximum(mid_lo, k_lo)
+    mid_hi = mid_lo + tl.maximum(tl.minimum(all_hi, k_hi) - mid_lo, 0) // BLOCK_N * BLOCK_N
+    lane = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # Prologue of the hand pipeline: tile 0's words, tile 1's block ids.
+        keys = k_lo + lane
+        blk = load_block_ids(bt_ptr, bt_row, keys, keys < k_hi, num_blocks, PAGE_SIZE)
+        key_valid = blk >= 0
+        ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
+            cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+            PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+            VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
+        blk_next = load_block_ids(bt_ptr, bt_row, keys + BLOCK_N, (keys + BLOCK_N) < k_hi, num_blocks, PAGE_SIZE)
+    else:
+        # Placeholders: without the hand pipeline each tile loads its own words.
+        blk_next = tl.zeros([BLOCK_N], tl.int32)
+        key_valid = blk_next >= 0
+        ka = tl.zeros([BLOCK_N, 1], tl.int16)
+        kb, kc, va, vb, vc = ka, ka, ka, ka, ka
+        knorm = tl.zeros([BLOCK_N], tl.int16)
+        vscale, vzero = knorm, knorm
+    acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
+        q, acc, m_i, l_i, pos, row_valid, k_lo, mid_lo, k_hi,
+        ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
+        bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, True,
+        PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
+        VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
+        DOT_DTYPE, PREFETCH, INTERPRET)
+    acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
+        q, acc, m_i, l_i, pos, row_valid, mid_lo, mid_hi, k_hi,
+        ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
+        bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, False,
+        PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
+        VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
+        DOT_DTYPE, PREFETCH, INTERPRET)
+    acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
+        q, acc, m_i, l_i, pos, row_valid, mid_hi, k_hi, k_hi,
+        ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
+        bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, True,
+        PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
+        VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
+        DOT_DTYPE, PREFETCH, INTERPRET)
     return acc, m_i, l_i
 
 
