@@ -20,6 +20,7 @@ against the float64 reference on the same cache bytes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -33,8 +34,25 @@ from parity.tolerances import check_attention, compare_store
 VLLM_MISSING = "needs vllm==0.33 installed (pip install --no-deps 'vllm==0.33.*' plus its pure-Python imports; see .ci/run)"
 
 
+def _vllm_has_compiled_extensions() -> bool:
+    """False for vLLM's Python files alone (tests/vllm/gpu_carry.py), found without importing vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(f.startswith("_C") and f.endswith(".so") for d in locations if os.path.isdir(d)
+               for f in os.listdir(d))
+
+
 def import_vllm():
-    """vLLM 0.33, or a skip with the reason (CPU: the platform must be chosen before vLLM is imported)."""
+    """vLLM 0.33, or a skip with the reason (the platform must be chosen before vLLM is imported).
+
+    vLLM's CUDA platform imports its compiled extensions (FlashAttention among
+    them), which the Python-only copy that tests/vllm/gpu_carry.py brings to a
+    GPU machine does not have; there vLLM runs on its CPU platform. Nothing
+    tested here depends on vLLM's platform: our kernels and vLLM's Triton
+    TurboQuant kernels run on the device of the tensors they are given.
+    """
+    if torch.cuda.is_available() and not _vllm_has_compiled_extensions():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         # vLLM's Triton wrappers (the peer kernels) then run in the Triton interpreter:
