@@ -81,31 +81,6 @@ def dot(a, b, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def dot_acc(a, b, acc, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """``acc + a @ b`` accumulated inside the tensor-core op (no separate add), as `dot`."""
-    if DOT_DTYPE == tl.float32 or INTERPRET:
-        return tl.dot(a, b, acc=acc, input_precision="ieee", out_dtype=tl.float32)
-    else:
-        return tl.dot(a, b, acc=acc, out_dtype=tl.float32)
-
-
-@triton.jit
-def exp2_ftz(x, INTERPRET: tl.constexpr):
-    """``2**x`` in fp32 with denormal results flushed to zero (one MUFU op on the GPU).
-
-    `tl.exp2` lowers to the non-ftz ``ex2.approx.f32``, which ptxas wraps in a
-    denormal range fix (4 instructions). Softmax weights below 2**-126 of the
-    row maximum do not change a float32 sum, so flushing them is harmless;
-    -inf gives 0 and NaN stays NaN.
-    """
-    if INTERPRET:
-        return tl.exp2(x)
-    else:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
 def table_lookup(table_ptr, index, INTERPRET: tl.constexpr):
     """``table_ptr[index]`` (fp32) for a small table read through the read-only cache.
 

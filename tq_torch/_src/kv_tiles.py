@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernel_math import dot, dot_acc, dot_operand, exp2_ftz, table_lookup, tanh_f32
+from .kernel_math import dot, dot_operand, table_lookup, tanh_f32
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
@@ -285,8 +285,8 @@ def _key_loop(
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = exp2_ftz(m_i - m_safe, INTERPRET)
-        p = exp2_ftz(s - m_safe[:, None], INTERPRET)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v, v_scale, v_zero = decode_value_tile(c_va, c_vb, c_vc, c_vscale, c_vzero, c_valid, VALUE_FORMAT,
                                                VALUE_FIELD_BITS, RAW_DTYPE)
@@ -297,12 +297,11 @@ def _key_loop(
             p_v = p  # raw values: no scale; p is already 0 where a key is not visible
         else:
             p_v = tl.where(visible, p * v_scale[None, :], 0.0)
+        pv = dot(dot_operand(p_v, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
+                 DOT_DTYPE, INTERPRET)
         if VALUE_FORMAT != 0:
-            acc = acc * alpha[:, None] + tl.sum(tl.where(visible, p * v_zero[None, :], 0.0), axis=1)[:, None]
-        else:
-            acc = acc * alpha[:, None]
-        acc = dot_acc(dot_operand(p_v, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET), acc,
-                      DOT_DTYPE, INTERPRET)
+            pv += tl.sum(tl.where(visible, p * v_zero[None, :], 0.0), axis=1)[:, None]
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
         if PREFETCH:
             ka, kb, kc, knorm, va, vb, vc, vscale, vzero = ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n
