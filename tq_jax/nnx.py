@@ -14,14 +14,20 @@
   plain jnp (a quality reference, not a fast path).
 * `apply_rope`, `cache_bytes_per_token`, `pages_for_budget`: RoPE and cache sizing.
 * `scan_layers`: `lax.scan` over a stack of identical layers (built with
-  `nnx.vmap`) that carries the stacked caches instead of scanning over them,
-  so the stack is updated in place (no second stacked buffer, see there).
+  `nnx.vmap`) that carries the stacked caches and hands each layer the whole
+  stack seen as one bigger cache (page ids offset by ``layer * N``), so no
+  layer's cache is sliced out or copied (see there).
+* Multi-device: ``mesh=``/``kv_axis=`` on `Attention` / `init_cache` split the
+  cache and the heads along kv heads over a mesh axis (`tq_jax.sharding`);
+  results are bit for bit the single-device ones.
 * `PagedAttention`: the low-level store-then-attend over explicit arrays
   (kept for existing code; `Attention` is the model-level module).
 
 Under `nnx.jit(..., donate_argnums=...)` donating the module (or its state)
 lets XLA update each cache buffer in place: the step rewrites only the slots
-named by ``slot_mapping`` and the buffer keeps its address (tested on CPU).
+named by ``slot_mapping`` and the buffer keeps its address (tested on CPU, and
+on the GPU by ``pytest -m gpu``; with a mesh, every device's shard keeps its
+address).
 Per-layer preset and window are constructor arguments, so a stack may mix
 them (e.g. bf16 boundary layers as vLLM does); `nnx.scan` needs identical
 layers per group (the preset, window, soft cap are static).
@@ -39,11 +45,12 @@ from flax import nnx
 
 import tq_spec
 
+from . import sharding as _sharding
 from ._src.attention import paged_attention
 from ._src.store import store_kv
 
 __all__ = [
-    "Attention", "DenseKVCache", "PagedAttention", "PagedKVCache", "apply_rope", "cache_bytes_per_token",
+    "Attention", "DenseKVCache", "KVPages", "PagedAttention", "PagedKVCache", "apply_rope", "cache_bytes_per_token",
     "init_cache", "pages_for_budget", "scan_layers",
 ]
 
@@ -88,6 +95,48 @@ def pages_for_budget(budget_bytes: int, preset, *, head_dim: int, num_kv_heads: 
 # ------------------------------------------------------------------ caches
 
 
+class KVPages(nnx.Cache):
+    """The `nnx.Cache` variable type of a layer's page buffer (filters on `nnx.Cache` include it).
+
+    `scan_layers` recognises these buffers by type: they are the ones it may
+    view as one bigger cache across the stacked layers.
+    """
+
+
+def _place(x, mesh, kv_axis):
+    """``x`` laid out along kv heads (dim 2) over ``mesh[kv_axis]``; unchanged without a mesh."""
+    if mesh is None:
+        return x
+    return jax.device_put(x, _sharding.cache_sharding(mesh, kv_axis, ndim=x.ndim))
+
+
+class _StackedView:
+    """Page-id arithmetic while `scan_layers` hands a layer the whole stack.
+
+    A stack of L caches ``[L, N, P, ...]`` is contiguous, so ``[L * N, P, ...]``
+    is the same buffer (a bitcast) and layer ``i`` owns its pages
+    ``i * N .. i * N + N - 1``. The kernels then read and write the stack in
+    place with shifted page ids and slots, and no layer's cache is sliced out.
+    Ids that are invalid for one layer map to ids invalid for the stack
+    (negative ids stay, ids >= N go past the end), so the ops' guards and
+    ``validate=`` treat them as they would for the layer alone.
+    """
+
+    @staticmethod
+    def offset(cache_module):
+        return cache_module.__dict__.get("_stack_layer")
+
+    @staticmethod
+    def slots(slot_mapping, layer, per_layer: int, total: int):
+        sm = jnp.asarray(slot_mapping).astype(jnp.int32)
+        return jnp.where(sm < 0, sm, jnp.where(sm < per_layer, sm + layer * per_layer, total))
+
+    @staticmethod
+    def pages(block_table, layer, per_layer: int, total: int):
+        bt = jnp.asarray(block_table).astype(jnp.int32)
+        return jnp.where(bt < 0, bt, jnp.where(bt < per_layer, bt + layer * per_layer, total))
+
+
 class PagedKVCache(nnx.Module):
     """The paged cache of one attention layer.
 
@@ -98,22 +147,32 @@ class PagedKVCache(nnx.Module):
       rotation: mse presets only: None (tq_spec's Hadamard) or float ``[D, D]``
         (e.g. ``tq_spec.rotation(D, "randomized_hadamard", seed=...)``).
       codebook: mse presets only: None or a `tq_spec.Codebook`.
+      mesh, kv_axis: optional `jax.sharding.Mesh` and axis name (or tuple of
+        names): the cache is laid out split along kv heads over that axis
+        (``Hkv`` divisible by its devices) and ``store``/``attend`` run under
+        `shard_map` (`tq_jax.sharding`), bit for bit the single-device result.
 
     Attributes:
-      kv_cache: `nnx.Cache` of ``uint8[N, P, Hkv, slot_bytes]`` (zeros initially).
+      kv_cache: `KVPages` (an `nnx.Cache`) of ``uint8[N, P, Hkv, slot_bytes]`` (zeros initially).
     """
 
     def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset,
-                 rotation=None, codebook=None):
+                 rotation=None, codebook=None, mesh=None, kv_axis="kv"):
         lay = tq_spec.layout(preset, head_dim)
         tq_spec.quant_params(lay.preset, head_dim, rotation=rotation, codebook=codebook)  # validate early
+        if mesh is not None and num_kv_heads % _sharding.num_shards(mesh, kv_axis):
+            raise ValueError(f"num_kv_heads: expected a multiple of the {_sharding.num_shards(mesh, kv_axis)} "
+                             f"devices of mesh axis {kv_axis!r}, got {num_kv_heads}")
         self.preset = lay.preset.name
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.codebook = codebook
+        self.mesh, self.kv_axis = mesh, kv_axis
         self.rotation = None if rotation is None else nnx.Variable(jnp.asarray(rotation, jnp.float32))
-        self.kv_cache = nnx.Cache(jnp.zeros((num_blocks, block_size, num_kv_heads, lay.slot_bytes), jnp.uint8))
+        self.kv_cache = KVPages(_place(jnp.zeros((num_blocks, block_size, num_kv_heads, lay.slot_bytes), jnp.uint8),
+                                       mesh, kv_axis))
 
     @property
     def nbytes(self) -> int:
@@ -125,45 +184,74 @@ class PagedKVCache(nnx.Module):
 
     def store(self, key, value, slot_mapping) -> None:
         """Quantizes ``key/value [T, Hkv, D]`` into the slots of ``slot_mapping int32[T]`` (-1 skips)."""
-        self.kv_cache[...] = store_kv(key, value, self.kv_cache[...], slot_mapping, preset=self.preset,
-                                      rotation=self._rotation(), codebook=self.codebook)
+        c = self.kv_cache[...]
+        layer = _StackedView.offset(self)
+        if layer is not None:
+            per = self.num_blocks * self.block_size
+            slot_mapping = _StackedView.slots(slot_mapping, layer, per, c.shape[0] * self.block_size)
+        kw = dict(preset=self.preset, rotation=self._rotation(), codebook=self.codebook)
+        if self.mesh is None:
+            self.kv_cache[...] = store_kv(key, value, c, slot_mapping, **kw)
+        else:
+            self.kv_cache[...] = _sharding.store_kv(key, value, c, slot_mapping, mesh=self.mesh, axis=self.kv_axis,
+                                                    **kw)
 
     def attend(self, query, block_table, seq_lens, query_start_loc, *, scale=None, sliding_window=None,
                logits_soft_cap=None, sinks=None, path="auto"):
         """`tq_jax.paged_attention` over this cache; returns ``[T, Hq, D]`` in the query dtype."""
-        return paged_attention(query, self.kv_cache[...], block_table, seq_lens, query_start_loc,
-                               preset=self.preset, scale=scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap, sinks=sinks, rotation=self._rotation(),
-                               codebook=self.codebook, path=path)
+        c = self.kv_cache[...]
+        layer = _StackedView.offset(self)
+        if layer is not None:
+            block_table = _StackedView.pages(block_table, layer, self.num_blocks, c.shape[0])
+        kw = dict(preset=self.preset, scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                  sinks=sinks, rotation=self._rotation(), codebook=self.codebook, path=path)
+        if self.mesh is None:
+            return paged_attention(query, c, block_table, seq_lens, query_start_loc, **kw)
+        return _sharding.paged_attention(query, c, block_table, seq_lens, query_start_loc, mesh=self.mesh,
+                                         axis=self.kv_axis, **kw)
 
 
 def init_cache(*, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, preset="turboquant_4bit_nc",
-               rotation=None, codebook=None) -> PagedKVCache:
-    """A zeroed `PagedKVCache` (``uint8[N, P, Hkv, slot_bytes]``); ``preset="dense"`` gives a `DenseKVCache`."""
+               rotation=None, codebook=None, mesh=None, kv_axis="kv") -> PagedKVCache:
+    """A zeroed `PagedKVCache` (``uint8[N, P, Hkv, slot_bytes]``); ``preset="dense"`` gives a `DenseKVCache`.
+
+    With ``mesh`` (and ``kv_axis``, default ``"kv"``) the cache is split along kv heads over that mesh axis
+    and its ops run per device under `shard_map` (see `tq_jax.sharding`).
+    """
     if preset == "dense":
         return DenseKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-                            head_dim=head_dim)
+                            head_dim=head_dim, mesh=mesh, kv_axis=kv_axis)
     return PagedKVCache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        preset=preset, rotation=rotation, codebook=codebook)
+                        preset=preset, rotation=rotation, codebook=codebook, mesh=mesh, kv_axis=kv_axis)
 
 
 class DenseKVCache(nnx.Module):
     """Unquantized paged K/V in plain jnp, with `PagedKVCache`'s ``store``/``attend`` interface.
 
     A quality reference (the "dense" model of the example): K and V are kept
-    in ``dtype`` (``[N, P, Hkv, 2, D]``, an `nnx.Cache`) and attention is a
+    as ``dtype`` values (``[N, P, Hkv, 2, D]``, a `KVPages` holding their bit
+    patterns as same-width unsigned ints: XLA:CPU turns a bf16/fp16 scatter
+    into a float32 one over a converted copy of the whole buffer, an integer
+    scatter updates it in place) and attention is a
     masked softmax over each sequence's gathered pages in float32, with the
     same semantics (causal, window, soft cap, sinks, padding rows zero).
     Memory and time grow with ``B * max_blocks * P``; not a serving path.
+    With ``mesh`` the buffer is laid out along kv heads and XLA partitions the
+    plain jnp ops.
     """
 
     preset = "dense"
 
-    def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16):
+    def __init__(self, *, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16,
+                 mesh=None, kv_axis="kv"):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
+        self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv_cache = nnx.Cache(jnp.zeros((num_blocks, block_size, num_kv_heads, 2, head_dim), dtype))
+        self.dtype = jnp.dtype(dtype)
+        bits = jnp.dtype(f"uint{8 * self.dtype.itemsize}")
+        self.kv_cache = KVPages(_place(jnp.zeros((num_blocks, block_size, num_kv_heads, 2, head_dim), bits),
+                                       mesh, kv_axis))
 
     @property
     def nbytes(self) -> int:
@@ -173,15 +261,21 @@ class DenseKVCache(nnx.Module):
     def store(self, key, value, slot_mapping) -> None:
         c = self.kv_cache[...]
         n, p = c.shape[:2]
+        layer = _StackedView.offset(self)
+        if layer is not None:
+            slot_mapping = _StackedView.slots(slot_mapping, layer, self.num_blocks * p, n * p)
         flat = c.reshape((n * p,) + c.shape[2:])
         slots = jnp.where(slot_mapping < 0, n * p, slot_mapping)  # out of bounds: dropped
-        kv = jnp.stack([key, value], axis=2).astype(c.dtype)
+        kv = lax.bitcast_convert_type(jnp.stack([key, value], axis=2).astype(self.dtype), c.dtype)
         self.kv_cache[...] = flat.at[slots].set(kv, mode="drop").reshape(c.shape)
 
     def attend(self, query, block_table, seq_lens, query_start_loc, *, scale=None, sliding_window=None,
                logits_soft_cap=None, sinks=None, path="auto"):
         del path
         c = self.kv_cache[...]
+        layer = _StackedView.offset(self)
+        if layer is not None:
+            block_table = _StackedView.pages(block_table, layer, self.num_blocks, c.shape[0])
         t, hq, d = query.shape
         b_count, max_blocks = block_table.shape
         p, hkv = c.shape[1], c.shape[2]
@@ -191,7 +285,8 @@ class DenseKVCache(nnx.Module):
         real = (rows >= query_start_loc[0]) & (rows < query_start_loc[-1])
         q_len = query_start_loc[b + 1] - query_start_loc[b]
         pos = seq_lens[b] - q_len + (rows - query_start_loc[b])
-        kv = c[block_table].reshape(b_count, max_blocks * p, hkv, 2, d).astype(jnp.float32)
+        kv = lax.bitcast_convert_type(c[block_table], self.dtype)
+        kv = kv.reshape(b_count, max_blocks * p, hkv, 2, d).astype(jnp.float32)
         k, v = kv[b, :, :, 0], kv[b, :, :, 1]  # [T, L, Hkv, D]
         qg = query.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
         s = jnp.einsum("tkgd,tlkd->tkgl", qg, k) * scale
@@ -263,6 +358,10 @@ class Attention(nnx.Module):
       dtype: dtype of Q/K/V and the attention (e.g. bfloat16); param_dtype: weights.
       rotation, codebook: passed to the owned cache (mse presets).
       path: attention path override (``"auto"``, ``"decode"``, ``"extend"``).
+      mesh, kv_axis: split the owned cache and the attention along kv heads over
+        ``mesh[kv_axis]`` (``Hkv`` divisible by its devices; see `init_cache` and
+        `tq_jax.sharding`); the projections stay as they are (shard their
+        weights as you like, XLA moves the heads to their devices).
 
     Call: ``layer(x [T, E], meta: StepMetadata, *, cache=None) -> [T, E]`` in ``dtype``;
     rows past ``meta.query_start_loc[-1]`` (bucket padding) come out as the
@@ -274,7 +373,7 @@ class Attention(nnx.Module):
                  kv_source=None, rope: bool | Callable = True, rope_theta: float = 10000.0,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None, use_sinks: bool = False,
                  scale: float | None = None, dtype=jnp.bfloat16, param_dtype=jnp.float32, rotation=None,
-                 codebook=None, path: str = "auto"):
+                 codebook=None, path: str = "auto", mesh=None, kv_axis="kv"):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
         if rope is not None and rope is not False and rope is not True and not callable(rope):
@@ -294,7 +393,8 @@ class Attention(nnx.Module):
             raise ValueError("num_blocks, block_size: give both (the layer owns its cache) or neither")
         owns = num_blocks is not None and kv_source is None
         self.cache = nnx.data(init_cache(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-                                         head_dim=head_dim, preset=preset, rotation=rotation, codebook=codebook)
+                                         head_dim=head_dim, preset=preset, rotation=rotation, codebook=codebook,
+                                         mesh=mesh, kv_axis=kv_axis)
                               if owns else None)
 
     def _rope(self, x, positions):
@@ -365,17 +465,24 @@ def scan_layers(layers: nnx.Module, carry, fn: Callable):
     ``layers`` holds L identical layers stacked on axis 0 of every array
     (e.g. ``nnx.vmap(lambda r: Attention(..., rngs=r))`` under
     ``nnx.split_rngs(splits=L)``; static settings such as preset and window
-    are shared, so mixed stacks scan per group of identical layers). The
-    layers' `nnx.Cache` arrays (``[L, N, P, Hkv, slot_bytes]``) travel in the
-    scan *carry* and are read and written with dynamic slices, and the other
-    state (weights) is scanned over. Scanning the caches as ``xs``/``ys``
-    (what ``nnx.scan(in_axes=0)`` over the whole module does) makes XLA build
-    a second stacked buffer plus a full copy of it per call; with the carry,
-    the CPU HLO of a donated step has no copy of the stack, only one of a
-    single layer's slice, which the kernels consume because they take one
-    layer's cache (a layer index into a stacked cache would need kernel
-    support). Layers run in order ``0 .. L-1``; cache updates (``store``)
-    inside ``fn`` are written back into ``layers``.
+    are shared, so mixed stacks scan per group of identical layers). Layers
+    run in order ``0 .. L-1``; cache updates inside ``fn`` are written back
+    into ``layers``.
+
+    No layer's cache is copied. The stacked page buffers (`KVPages`,
+    ``[L, N, P, Hkv, slot_bytes]``) travel in the scan *carry*, seen as one
+    cache of ``L * N`` pages (a free reshape of the contiguous stack); layer
+    ``i``'s `PagedKVCache` / `DenseKVCache` reads and writes that whole buffer
+    with its page ids and slots shifted by ``i * N`` (invalid ids stay
+    invalid), so the kernels update the stack in place. Measured in the
+    compiled CPU HLO of a donated decode step (``tests/jax/test_jax_nnx_model.py``):
+    no copy, dynamic-slice or dynamic-update-slice of a cache-sized buffer, and
+    temporaries smaller than one layer's cache. The alternatives cost a full
+    cache copy per layer and step: slicing layer ``i`` out of the carry (and
+    writing it back) copies one layer's cache; scanning the caches as
+    ``xs``/``ys`` (``nnx.scan(in_axes=0)`` over the whole module) builds a
+    second stacked buffer plus a copy of it. Other `nnx.Cache` variables of
+    the layers (not `KVPages`) are sliced per layer and written back.
 
     Args:
       layers: the stacked module; carry: any pytree (e.g. the hidden state ``[T, E]``);
@@ -384,17 +491,26 @@ def scan_layers(layers: nnx.Module, carry, fn: Callable):
     Returns:
       The final carry.
     """
-    graphdef, caches, rest = nnx.split(layers, nnx.Cache, ...)
+    graphdef, pages, other, rest = nnx.split(layers, KVPages, nnx.Cache, ...)
+    # [L, N, ...] -> [L * N, ...]: a bitcast of the contiguous stack.
+    flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), pages)
 
     def body(c, rest_i):
-        carry, caches, i = c
-        cache_i = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), caches)
-        layer = nnx.merge(graphdef, cache_i, rest_i)
-        carry = fn(layer, carry)
-        _, new_i, _ = nnx.split(layer, nnx.Cache, ...)
-        caches = jax.tree.map(lambda a, n: lax.dynamic_update_index_in_dim(a, n, i, 0), caches, new_i)
-        return (carry, caches, i + 1), None
+        carry, flat, other, i = c
+        other_i = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), other)
+        layer = nnx.merge(graphdef, flat, other_i, rest_i)
+        caches = [node for _, node in nnx.iter_graph(layer) if isinstance(node, (PagedKVCache, DenseKVCache))]
+        for cache in caches:  # read by _StackedView.offset; never part of the graph
+            object.__setattr__(cache, "_stack_layer", i)
+        try:
+            carry = fn(layer, carry)
+        finally:
+            for cache in caches:
+                object.__delattr__(cache, "_stack_layer")
+        _, flat, new_other, _ = nnx.split(layer, KVPages, nnx.Cache, ...)
+        other = jax.tree.map(lambda a, n: lax.dynamic_update_index_in_dim(a, n, i, 0), other, new_other)
+        return (carry, flat, other, i + 1), None
 
-    (carry, caches, _), _ = lax.scan(body, (carry, caches, jnp.int32(0)), rest)
-    nnx.update(layers, caches)
+    (carry, flat, other, _), _ = lax.scan(body, (carry, flat, other, jnp.int32(0)), rest)
+    nnx.update(layers, jax.tree.map(lambda f, a: f.reshape(a.shape), flat, pages), other)
     return carry
