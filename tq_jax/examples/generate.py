@@ -25,12 +25,23 @@ The model: RMSNorm, GQA attention with RoPE (`tq_jax.nnx.Attention`), SwiGLU
 MLP; layers alternate sliding window (with a logit soft cap) and global
 (with learned sinks); with 4+ layers the last one shares the cache of the
 last global layer (KV sharing / YOCO).
+
+Sliding-window pages: the window layers keep their caches in a page pool of
+their own (as vLLM's hybrid allocator does). After every step (prefill and
+each decode step, inside the compiled loop) `tq_jax.paging.release_out_of_window`
+returns the pages no future query can see to that pool, so it only needs
+``ceil((W - 1) / P) + 1`` pages per sequence while decoding instead of the whole
+context; the global layers' pool holds every page. The outputs do not change
+(the block table keeps the released ids, which the kernels mask; the test
+checks logits and tokens equal with and without release). ``--no-window-release``
+puts every layer in one pool and releases nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -60,6 +71,7 @@ class Config:
     prompt_lens: tuple = (37, 12, 50, 5)
     prefill_bucket: int = 128
     yoco: bool = True
+    release_window: bool = True  # window layers: own page pool, pages behind the window released each step
 
 
 TINY = Config(vocab=128, embed_dim=128, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=256,
@@ -77,8 +89,9 @@ class RMSNorm(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: Config, *, preset, window, num_blocks, rngs, kv_source=None):
+    def __init__(self, cfg: Config, *, preset, window, num_blocks, rngs, kv_source=None, pool="full"):
         lin = dict(use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
+        self.pool = pool  # which page pool's metadata this layer's cache follows
         self.norm1, self.norm2 = RMSNorm(cfg.embed_dim), RMSNorm(cfg.embed_dim)
         self.attn = Attention(embed_dim=cfg.embed_dim, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, preset=preset, num_blocks=num_blocks, block_size=cfg.page_size,
@@ -90,19 +103,21 @@ class Block(nnx.Module):
         self.up = nnx.Linear(cfg.embed_dim, cfg.mlp_dim, **lin)
         self.down = nnx.Linear(cfg.mlp_dim, cfg.embed_dim, **lin)
 
-    def __call__(self, x, meta):
-        x = x + self.attn(self.norm1(x), meta)
+    def __call__(self, x, metas):
+        x = x + self.attn(self.norm1(x), metas[self.pool])
         h = self.norm2(x)
         return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
 
 
 class Decoder(nnx.Module):
-    """``tokens int32[T], meta -> logits float32[B, vocab]`` at each request's last new token.
+    """``tokens int32[T], metas -> logits float32[B, vocab]`` at each request's last new token.
 
+    ``metas``: ``{"full": StepMetadata}``, plus ``"window"`` when the window layers have a pool of their own.
     ``preset``: one preset for every layer, or one per layer; ``"dense"`` is the unquantized reference.
+    ``window_blocks``: pages of the window layers' own pool (None: they share the ``num_blocks`` pool).
     """
 
-    def __init__(self, cfg: Config, preset, *, num_blocks: int, seed: int = 0):
+    def __init__(self, cfg: Config, preset, *, num_blocks: int, window_blocks: int | None = None, seed: int = 0):
         rngs = nnx.Rngs(seed)  # caches draw nothing: every preset gets the same weights
         presets = list(preset) if isinstance(preset, (list, tuple)) else [preset] * cfg.num_layers
         self.embed = nnx.Embed(cfg.vocab, cfg.embed_dim, dtype=jnp.bfloat16, rngs=rngs)
@@ -111,16 +126,18 @@ class Decoder(nnx.Module):
             window = cfg.window if i % 2 == 0 else None
             shared = cfg.yoco and cfg.num_layers >= 4 and i == cfg.num_layers - 1
             src = blocks[i - 2].attn if shared else None  # the last global layer before it
+            own_pool = window is not None and not shared and window_blocks is not None
             blocks.append(Block(cfg, preset=presets[i], window=None if shared else window,
-                                num_blocks=num_blocks, rngs=rngs, kv_source=src))
+                                num_blocks=window_blocks if own_pool else num_blocks, rngs=rngs, kv_source=src,
+                                pool="window" if own_pool else "full"))
         self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
         self.norm = RMSNorm(cfg.embed_dim)
 
-    def __call__(self, tokens, meta):
+    def __call__(self, tokens, metas):
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, meta)
-        x = self.norm(x[meta.last_token_index])
+            x = block(x, metas)
+        x = self.norm(x[metas["full"].last_token_index])
         return self.embed.attend(x).astype(jnp.float32)
 
     def cache_bytes(self) -> int:
@@ -130,56 +147,92 @@ class Decoder(nnx.Module):
 # ----------------------------------------------------------------- the two compiled programs
 
 
-@jax.jit
-def _prefill(graphdef, state, pages, tokens, seq_ids, prompt_lens):
+def _paged_step(pools, seq_ids, new_tokens, rows):
+    """Every pool grows the sequences by ``new_tokens``; returns the pools, their metadata and ``ok``."""
+    ok, metas, grown = jnp.bool_(True), {}, {}
+    for name, state in pools.items():
+        state, ok_i = paging.append(state, seq_ids, new_tokens)
+        grown[name], ok = state, ok & ok_i
+        metas[name] = paging.step_metadata(state, seq_ids, new_tokens, num_tokens=rows)
+    return grown, metas, ok
+
+
+def _release(pools, seq_ids, window):
+    """After a step: the window pool gets back the pages wholly behind every sequence's window."""
+    if "window" in pools:
+        pools = dict(pools, window=paging.release_out_of_window(pools["window"], seq_ids, window))
+    return pools
+
+
+@functools.partial(jax.jit, static_argnames=("window",))
+def _prefill(graphdef, state, pools, tokens, seq_ids, prompt_lens, *, window):
     model = nnx.merge(graphdef, state)
-    pages, ok = paging.append(pages, seq_ids, prompt_lens)
-    meta = paging.step_metadata(pages, seq_ids, prompt_lens, num_tokens=tokens.shape[0])
-    logits = model(tokens, meta)
-    return logits, nnx.state(model), pages, ok
+    pools, metas, ok = _paged_step(pools, seq_ids, prompt_lens, tokens.shape[0])
+    logits = model(tokens, metas)
+    return logits, nnx.state(model), _release(pools, seq_ids, window), ok
 
 
-def _decode_loop(graphdef, state, pages, first, forced, use_forced, seq_ids, *, rows):
-    """``forced.shape[0]`` greedy steps; step ``i`` feeds ``forced[i-1]`` instead of the argmax when ``use_forced``."""
+def _decode_loop(graphdef, state, pools, first, forced, use_forced, seq_ids, *, rows, window):
+    """``forced.shape[0]`` greedy steps; step ``i`` feeds ``forced[i-1]`` instead of the argmax when ``use_forced``.
+
+    Also returns the fewest free pages each pool had right after a step's allocation.
+    """
     steps, b = forced.shape
     ones = jnp.where(seq_ids >= 0, 1, 0).astype(jnp.int32)
 
     def body(i, carry):
-        state, pages, tok, all_logits, all_tok, ok = carry
+        state, pools, tok, all_logits, all_tok, ok, low = carry
         model = nnx.merge(graphdef, state)
-        pages, ok_i = paging.append(pages, seq_ids, ones)
-        meta = paging.step_metadata(pages, seq_ids, ones, num_tokens=rows)
+        pools, metas, ok_i = _paged_step(pools, seq_ids, ones, rows)
+        low = {k: jnp.minimum(low[k], pools[k].num_free) for k in low}
         tokens = jnp.zeros((rows,), jnp.int32).at[:b].set(tok)
-        logits = model(tokens, meta)
+        logits = model(tokens, metas)
         nxt = jnp.where(use_forced, forced[i], jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        return (nnx.state(model), pages, nxt, all_logits.at[i].set(logits), all_tok.at[i].set(nxt), ok & ok_i)
+        return (nnx.state(model), _release(pools, seq_ids, window), nxt, all_logits.at[i].set(logits),
+                all_tok.at[i].set(nxt), ok & ok_i, low)
 
     vocab = nnx.merge(graphdef, state).embed.num_embeddings
-    init = (state, pages, first, jnp.zeros((steps, b, vocab), jnp.float32), jnp.zeros((steps, b), jnp.int32),
-            jnp.bool_(True))
-    state, pages, _, logits, toks, ok = jax.lax.fori_loop(0, steps, body, init)
-    return logits, toks, state, pages, ok
+    init = (state, pools, first, jnp.zeros((steps, b, vocab), jnp.float32), jnp.zeros((steps, b), jnp.int32),
+            jnp.bool_(True), {k: p.num_free for k, p in pools.items()})
+    state, pools, _, logits, toks, ok, low = jax.lax.fori_loop(0, steps, body, init)
+    return logits, toks, state, pools, ok, low
 
 
-_decode = jax.jit(_decode_loop, static_argnames=("rows",), donate_argnums=(1, 2))
+_decode = jax.jit(_decode_loop, static_argnames=("rows", "window"), donate_argnums=(1, 2))
+
+
+def window_pool_pages(cfg: Config) -> int:
+    """Pages the window layers' own pool needs: the whole ragged prefill, then while decoding (one token
+    per step, released after each step) at most ``ceil((W - 1) / P) + 1`` per sequence."""
+    p = cfg.page_size
+    prefill = sum(-(-n // p) for n in cfg.prompt_lens)
+    return max(prefill, len(cfg.prompt_lens) * (-(-(cfg.window - 1) // p) + 1))
 
 
 def run(cfg: Config, preset, *, steps: int, forced=None, seed: int = 0):
     """Prefill + ``steps`` greedy decode steps. Returns a dict of logits ``[steps + 1, B, V]``, tokens,
-    decode seconds (compiled, excluding compilation), cache bytes."""
+    decode seconds (compiled, excluding compilation), cache bytes, and per page pool its size and the
+    fewest free pages seen after any decode step's allocation (``pools``)."""
     b = len(cfg.prompt_lens)
     max_len = max(cfg.prompt_lens) + steps + 1
     max_pages = -(-max_len // cfg.page_size)
     num_blocks = b * max_pages
-    model = Decoder(cfg, preset, num_blocks=num_blocks, seed=seed)
+    split = cfg.release_window and cfg.window and cfg.num_layers > 1
+    window_blocks = window_pool_pages(cfg) if split else None
+    model = Decoder(cfg, preset, num_blocks=num_blocks, window_blocks=window_blocks, seed=seed)
     graphdef, state = nnx.split(model)
-    pages = paging.init_pages(num_blocks, b, max_pages, cfg.page_size)
+    pools = {"full": paging.init_pages(num_blocks, b, max_pages, cfg.page_size)}
+    if split:
+        pools["window"] = paging.init_pages(window_blocks, b, max_pages, cfg.page_size)
+    sizes = {k: int(v.free_pages.shape[0]) for k, v in pools.items()}
+    window = cfg.window if split else None
     rng = np.random.default_rng(1234)  # same prompts for every preset
     prompts = [rng.integers(0, cfg.vocab, n) for n in cfg.prompt_lens]
     tokens = np.zeros(cfg.prefill_bucket, np.int32)
     tokens[:sum(cfg.prompt_lens)] = np.concatenate(prompts)
     seq_ids = np.arange(b, dtype=np.int32)
-    logits0, state, pages, ok = _prefill(graphdef, state, pages, tokens, seq_ids, np.array(cfg.prompt_lens, np.int32))
+    logits0, state, pools, ok = _prefill(graphdef, state, pools, tokens, seq_ids,
+                                         np.array(cfg.prompt_lens, np.int32), window=window)
     assert bool(ok), "prefill: out of pages"
     first = jnp.argmax(logits0, axis=-1).astype(jnp.int32)
     use_forced = forced is not None
@@ -189,17 +242,17 @@ def run(cfg: Config, preset, *, steps: int, forced=None, seed: int = 0):
     else:
         forced_rest = jnp.zeros((steps, b), jnp.int32)
     rows = -(-b // 8) * 8  # decode bucket: B rows rounded up to 8 (padding rows exercise the masking)
-    args = (graphdef, state, pages, first, forced_rest, jnp.bool_(use_forced), seq_ids)
-    compiled = _decode.lower(*args, rows=rows).compile()
+    args = (graphdef, state, pools, first, forced_rest, jnp.bool_(use_forced), seq_ids)
+    compiled = _decode.lower(*args, rows=rows, window=window).compile()
     t0 = time.perf_counter()
-    logits, toks, state, pages, ok = compiled(*args)
+    logits, toks, state, pools, ok, low = compiled(*args)
     logits.block_until_ready()
     seconds = time.perf_counter() - t0
     assert bool(ok), "decode: out of pages"
     all_logits = np.concatenate([np.asarray(logits0)[None], np.asarray(logits)])
     all_tokens = np.concatenate([np.asarray(first)[None], np.asarray(toks)])
     return dict(logits=all_logits, tokens=all_tokens, seconds=seconds, cache_bytes=model.cache_bytes(),
-                decode_tokens=steps * b)
+                decode_tokens=steps * b, pools={k: dict(pages=sizes[k], min_free=int(low[k])) for k in sizes})
 
 
 def compare(cfg: Config, presets, *, steps: int, seed: int = 0, verbose: bool = True):
@@ -212,6 +265,14 @@ def compare(cfg: Config, presets, *, steps: int, seed: int = 0, verbose: bool = 
         print(f"model: {cfg.num_layers} layers, E={cfg.embed_dim}, Hq={cfg.num_q_heads}, Hkv={cfg.num_kv_heads}, "
               f"D={cfg.head_dim}, window={cfg.window} (even layers), vocab={cfg.vocab}; prompts {cfg.prompt_lens}, "
               f"{steps} greedy steps; backend {jax.default_backend()}")
+        pools = dense["pools"]
+        if "window" in pools:
+            held = sum(-(-(n + steps) // cfg.page_size) for n in cfg.prompt_lens)
+            print(f"page pools: global layers {pools['full']['pages']} pages; window layers "
+                  f"{pools['window']['pages']} pages, pages behind the window released every step (fewest free "
+                  f"after a step: {pools['window']['min_free']}; kept, the sequences would hold {held})")
+        else:
+            print(f"page pool: {pools['full']['pages']} pages for every layer (no window release)")
         print(f"{'preset':20s} {'worst cos':>10s} {'mean cos':>9s} {'argmax':>7s} {'greedy':>7s} {'tok/s':>9s} "
               f"{'cache KiB':>10s} {'B/token':>8s}")
     for preset in presets:
@@ -244,8 +305,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bf16-ends", action="store_true",
                     help="first and last layer keep a bf16 cache (vLLM's boundary layers), the others the preset")
+    ap.add_argument("--no-window-release", action="store_true",
+                    help="one page pool for every layer, nothing released (default: the window layers have their "
+                         "own pool and give back the pages behind the window after every step)")
     args = ap.parse_args(argv)
     cfg = TINY if args.tiny else Config()
+    if args.no_window_release:
+        cfg = dataclasses.replace(cfg, release_window=False)
     default = "bf16,turboquant_4bit_nc" if args.tiny else ",".join(ALL_PRESETS)
     presets = [p.strip() for p in (args.presets or default).split(",") if p.strip()]
     for p in presets:
