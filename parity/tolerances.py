@@ -18,6 +18,10 @@
   compute, where the emulation's own error is a single sample of the same
   size as the leg's and accumulation order differs between kernels.
 
+* NaN and Inf: where the reference's output is NaN or +-Inf (a visible NaN/Inf query, key,
+  value or sink propagating, DESIGN.md section 3) the leg must have the same non-finite value;
+  a non-finite value anywhere else fails. Bounds are sized on the finite elements.
+
 Inputs may be numpy arrays, torch tensors or jax arrays; nothing here imports
 a framework.
 """
@@ -219,7 +223,8 @@ class AttentionComparison:
         status, rel = ("ok", "<=") if self.max_err <= self.bound else ("FAIL", ">")
         if self.nonfinite:
             status = "FAIL"
-        extra = f"; {self.nonfinite} non-finite outputs" if self.nonfinite else ""
+        extra = (f"; {self.nonfinite} outputs non-finite where the reference is not, or not the reference's "
+                 "NaN/Inf" if self.nonfinite else "")
         return (f"attention {status}: max_err {self.max_err:.3e} {rel} bound {self.bound:.3e} "
                 f"(emulated {self.emulated_err:.3e}); worst {self.worst}{extra}")
 
@@ -249,14 +254,25 @@ class Emulation:
 def emulate(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, compute_dtype=None,
             scale=None, sliding_window=None, logits_soft_cap=None, sinks=None, rotation=None,
             codebook=None) -> Emulation:
-    """`tq_spec.reference.emulate_paged_attention` in the query's output dtype, for reuse across legs."""
+    """`tq_spec.reference.emulate_paged_attention` in the query's output dtype, for reuse across legs.
+
+    NaN/Inf queries or sinks (which must propagate) would make the magnitudes that size the floor
+    non-finite; those are then taken from the same call with the non-finite inputs zeroed.
+    """
     out_dtype = dtype_name(query)
     stats: dict = {}
-    out = reference.emulate_paged_attention(
-        to_numpy(query), to_numpy(kv_cache), to_numpy(block_table), to_numpy(seq_lens),
-        to_numpy(query_start_loc), preset=preset, compute_dtype=compute_dtype or out_dtype,
-        out_dtype=out_dtype, scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        sinks=None if sinks is None else to_numpy(sinks), rotation=rotation, codebook=codebook, stats=stats)
+    args = (to_numpy(query), to_numpy(kv_cache), to_numpy(block_table), to_numpy(seq_lens),
+            to_numpy(query_start_loc))
+    kw = dict(preset=preset, compute_dtype=compute_dtype or out_dtype, out_dtype=out_dtype, scale=scale,
+              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+              sinks=None if sinks is None else to_numpy(sinks), rotation=rotation, codebook=codebook)
+    out = reference.emulate_paged_attention(*args, stats=stats, **kw)
+    if not all(np.isfinite(v) for v in stats.values() if isinstance(v, float)):
+        q = args[0]
+        finite_q = np.where(np.isfinite(q.astype(np.float32)), q, 0).astype(q.dtype)
+        kw["sinks"] = None if sinks is None else np.nan_to_num(kw["sinks"], nan=0.0, posinf=0.0, neginf=0.0)
+        stats = {}
+        reference.emulate_paged_attention(finite_q, *args[1:], stats=stats, **kw)
     return Emulation(out, stats)
 
 
@@ -290,10 +306,18 @@ def check_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc
     got = to_numpy(out).astype(np.float64)
     if got.shape != ref.shape:
         return AttentionComparison(np.inf, 0.0, 0.0, f"shape {got.shape} != {ref.shape}", got.size)
-    nonfinite = int((~np.isfinite(got)).sum())
-    err = np.abs(np.where(np.isfinite(got), got, np.inf) - ref)
-    emulated_err = float(np.abs(emul - ref).max()) if ref.size else 0.0
-    bound = attention_bound(emulated_err, float(np.abs(ref).max()) if ref.size else 0.0, out_dtype, stats)
+    # NaN/Inf where the reference has them is the contract (IEEE propagation from a visible NaN/Inf
+    # input); anywhere else, or a different one (NaN for Inf, a finite value for NaN), is a failure.
+    ref_fin = np.isfinite(ref)
+    same_nonfinite = ~ref_fin & ((np.isnan(ref) & np.isnan(got)) | (np.isinf(ref) & (got == ref)))
+    bad_nonfinite = (~np.isfinite(got) & ref_fin) | (~ref_fin & ~same_nonfinite)
+    nonfinite = int(bad_nonfinite.sum())
+    err = np.where(ref_fin, np.abs(np.where(np.isfinite(got), got, np.inf) - np.where(ref_fin, ref, 0.0)),
+                   np.where(same_nonfinite, 0.0, np.inf))
+    emul_err = np.abs(emul - ref)
+    emulated_err = float(emul_err[ref_fin].max(initial=0.0)) if ref.size else 0.0
+    bound = attention_bound(emulated_err, float(np.abs(ref[ref_fin]).max(initial=0.0)) if ref.size else 0.0,
+                            out_dtype, stats)
     if ref.size == 0:
         return AttentionComparison(0.0, bound, 0.0, "empty", 0)
     i = np.unravel_index(int(np.argmax(err)), err.shape)

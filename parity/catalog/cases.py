@@ -30,14 +30,27 @@ PRESET_SHORT = {
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 # The comparisons a case can ask for (see parity.checks for what each means).
-CHECK_NAMES = ("store", "attention", "paths", "cross", "e2e", "interchange", "chunking")
+CHECK_NAMES = ("store", "attention", "paths", "cross", "e2e", "interchange", "chunking", "determinism",
+               "cuda-graph")
 DEFAULT_CHECKS = ("store", "attention", "paths", "cross", "e2e", "interchange")
 
 # How query/key data are drawn (parity.catalog.problem):
 #   normal         q, k, v ~ N(0, 1)
 #   sharp          q ~ N(0, 1) * SHARP_QUERY_GAIN: logits of a few units, so a soft cap bites
 #   very-negative  every visible logit below -5e4 (a finite -5e4 mask sentinel would win)
-DATA_MODES = ("normal", "sharp", "very-negative")
+#   key-ties       keys on quantization boundaries and one float32 ulp either side: rotated unit
+#                  coordinates on every codebook midpoint (mse presets), elements on fp8 rounding
+#                  midpoints (k8v4); values on the uniform quantizer's half steps
+#   fp8-saturate   k8v4 keys with elements of exactly +-448, 449, +-464, 480, +-1e4, +-inf (the clamp to
+#                  +-448 before the fp8 cast)
+#   value-lanes    values whose min or max sits in the last lanes of the head dim (padded tiles), and
+#                  constant value vectors (the 1e-8 scale clamp)
+#   nan-query      one query row with a NaN element and one with an Inf element (must propagate)
+#   nan-sinks      sinks of NaN, +inf, -inf and 1e4 on the first heads (NaN/+inf propagate; -inf is no sink)
+DATA_MODES = ("normal", "sharp", "very-negative", "key-ties", "fp8-saturate", "value-lanes", "nan-query",
+              "nan-sinks")
+# Data modes the end-to-end distortion bounds are calibrated for (parity.checks.distortion).
+E2E_DATA_MODES = ("normal", "sharp", "very-negative")
 # Bytes written into every slot no token owns (unused pages, pages past seq_len,
 # out-of-window slots): NaN in every float field, fp16 Inf / huge finite, bf16 Inf.
 POISON_PATTERNS = {
@@ -82,6 +95,13 @@ class AttentionCase:
       checks: which comparisons to run (`CHECK_NAMES`).
       chunks: chunk sizes for the ``chunking`` check.
       gpu_only: skipped (with the reason) when no CUDA device is visible.
+      pad_rows: query rows past query_start_loc[B] (NaN-filled; they must come back zeros).
+      decode_splits: decode split counts forced as extra paths ``decode/splits=N`` (through
+        the kernels' private split override; e.g. 1, and more splits than key tiles).
+      shared_pages: sequences after the first share its first `shared_pages` pages (a repeated
+        block table: prefix sharing; the shared tokens are the first sequence's).
+      known: ``((leg, reason), ...)``: known failures of a leg on this case (strict xfail: its
+        failed records become ``xfailed``; if none fails, an ``xpassed`` failure says so).
       tags: extra tags (the group, preset and feature tags are added automatically).
       variant: optional id suffix to keep ids unique.
       note: why the case exists (shown by ``--list``).
@@ -108,11 +128,23 @@ class AttentionCase:
     checks: tuple[str, ...] = DEFAULT_CHECKS
     chunks: tuple[int, ...] = ()
     gpu_only: bool = False
+    pad_rows: int = 0
+    decode_splits: tuple[int, ...] = ()
+    shared_pages: int = 0
+    known: tuple = ()
     tags: frozenset = field(default_factory=frozenset)
     variant: str = ""
     note: str = ""
 
     def __post_init__(self):
+        if "e2e" in self.checks and self.data not in E2E_DATA_MODES:
+            raise ValueError(f"checks: e2e bounds are calibrated for data {E2E_DATA_MODES}, not {self.data!r}")
+        if self.pad_rows < 0 or self.shared_pages < 0 or any(n < 1 for n in self.decode_splits):
+            raise ValueError("pad_rows, shared_pages: expected >= 0; decode_splits: expected counts >= 1")
+        if self.pad_rows and ({"e2e", "chunking"} & set(self.checks)):
+            raise ValueError("pad_rows: the e2e and chunking checks compare unpadded outputs")
+        if self.shared_pages and "chunking" in self.checks:
+            raise ValueError("shared_pages: the chunking check stores every sequence's tokens itself")
         for name in self.checks:
             if name not in CHECK_NAMES:
                 raise ValueError(f"checks: unknown check {name!r}; expected one of {CHECK_NAMES}")
@@ -132,7 +164,8 @@ class AttentionCase:
 
     @property
     def num_tokens(self) -> int:
-        return sum(q for _, q in self.seqs)
+        """Query rows of the call, padding rows included (T, what dispatch sees)."""
+        return sum(q for _, q in self.seqs) + self.pad_rows
 
     @property
     def id(self) -> str:
@@ -166,6 +199,12 @@ class AttentionCase:
             parts.append("sm32")
         if self.chunks:
             parts.append("chunks" + "-".join(str(c) for c in self.chunks))
+        if self.pad_rows:
+            parts.append(f"pad{self.pad_rows}")
+        if self.decode_splits:
+            parts.append("splits" + "-".join(str(n) for n in self.decode_splits))
+        if self.shared_pages:
+            parts.append(f"shared{self.shared_pages}")
         if self.variant:
             parts.append(self.variant)
         return f"{self.group}:" + "-".join(parts)
@@ -187,6 +226,14 @@ class AttentionCase:
             t.add("gpu-only")
         if self.data != "normal":
             t.add(self.data)
+        if self.pad_rows:
+            t.add("padding")
+        if self.decode_splits:
+            t.add("splits")
+        if self.shared_pages:
+            t.add("shared-pages")
+        if self.known:
+            t.add("known-failure")
         t.update(self.checks)
         return frozenset(t)
 
@@ -273,7 +320,44 @@ class ModelCase:
         return frozenset(t)
 
 
-Case = Union[AttentionCase, ModelCase]
+@dataclass(frozen=True)
+class ErrorCase:
+    """One row of the bad-input table (`parity.catalog.bad_inputs`), run by the ``errors`` check.
+
+    The row itself (with its functions) is looked up by ``row_id``, so a case stays plain data.
+    """
+
+    row_id: str
+    op_name: str
+    row_kind: str
+    what: str
+    group: str = "errors"
+    gpu_only: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "errors"
+
+    @property
+    def checks(self) -> tuple[str, ...]:
+        return ("errors",)
+
+    @property
+    def preset(self) -> str:
+        from .bad_inputs import BASE_PRESET
+
+        return BASE_PRESET
+
+    @property
+    def id(self) -> str:
+        return f"{self.group}:{self.row_id}"
+
+    @property
+    def all_tags(self) -> frozenset:
+        return frozenset({self.group, "errors", self.op_name, self.row_kind})
+
+
+Case = Union[AttentionCase, ModelCase, ErrorCase]
 
 
 def batch_mix(seqs: Seqs) -> str:

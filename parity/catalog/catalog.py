@@ -14,7 +14,8 @@ import numpy as np
 
 import tq_spec
 
-from .cases import DEFAULT_CHECKS, Case, LayerSpec, ModelCase, matches
+from .bad_inputs import bad_inputs
+from .cases import DEFAULT_CHECKS, Case, ErrorCase, LayerSpec, ModelCase, matches
 from .sweeps import MODES, Sweep, expand_all
 
 QUANTIZED = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
@@ -47,6 +48,27 @@ GROUP_NOTES = {
     "params-as-data": "rotation and codebook passed as data (randomized Hadamard, exact Lloyd-Max)",
     "dtypes": "float16 / float32 queries and int32 slot mappings",
     "random": "random sweep: presets x head dims x pages x GQA x windows x soft cap x sinks x batch mixes",
+    "key-ties": "exact rounding ties and one ulp either side: fp8/bf16 key elements on rounding midpoints, "
+                "rotated key coordinates on codebook midpoints (within the boundary band the float32 "
+                "normalization leaves), values on the uniform quantizer's half steps",
+    "fp8-saturate": "fp8 keys beyond the e4m3fn range: exactly 448, 449, 464 (RNE would give 480), 1e4, +-inf; "
+                    "the clamp to +-448 comes before the cast (torch/ml_dtypes give NaN, Hopper saturates)",
+    "value-lanes": "value min/max in the last lanes of a padded head dim (D = 80, 96, 112) and constant "
+                   "vectors (scale clamped to 1e-8, codes 0)",
+    "splits": "decode with exactly one split and with more splits than key tiles (empty splits), both through "
+              "the log-sum-exp merge (forced through the kernels' private split override)",
+    "sinks": "sinks as a class of their own on every path: single-split decode, short sequences, q_len 0 rows, "
+             "windows",
+    "softcap-small": "soft caps of 1-5: small enough that a cap applied after masking (or not at all) shows",
+    "nan-propagation": "NaN/Inf in a visible query row or sink propagates as IEEE arithmetic does (never zeros or "
+                       "finite garbage); -inf sinks are no sinks",
+    "padding": "padding rows past query_start_loc[B] (NaN queries that must come back zeros), q_len 0 and "
+               "seq_len 0 requests, as CUDA-graph and bucketed batches carry; bitwise determinism",
+    "cuda-graph": "the torch decode path captured in a CUDA graph and replayed with changing seq_lens equals "
+                  "eager (GPU only)",
+    "errors": "bad inputs (argument errors, metadata values that crashed or wrote out of bounds, torch tensors "
+              "given to tq_jax, valid edge cases): the same error as the reference with validation, memory-safe "
+              "without it, torch and jax agreeing (parity/catalog/bad_inputs.py)",
 }
 
 
@@ -320,6 +342,143 @@ def _dtypes() -> list[Sweep]:
     ]
 
 
+# --------------------------------------------------------------- issue 14: inputs at the edges
+
+STORE_AND_ATTENTION = ("store", "attention", "paths", "cross", "interchange")
+
+
+def _key_ties() -> list[Sweep]:
+    base = dict(num_q_heads=4, num_kv_heads=2, block_size=16, dtype="float32", data="key-ties",
+                checks=STORE_AND_ATTENTION)
+    return [
+        Sweep("key-ties", dict(base, head_dim=64, seqs=((17, 3), (9, 1))),
+              {"preset": ("turboquant_3bit_nc", "turboquant_k8v4")}, modes=("quick",)),
+        Sweep("key-ties", dict(base, head_dim=128, seqs=((300, 20), (100, 1))),
+              {"preset": ALL_PRESETS}, modes=("full",)),
+    ]
+
+
+def _fp8_saturate() -> list[Sweep]:
+    base = dict(preset="turboquant_k8v4", num_q_heads=4, num_kv_heads=2, block_size=16, data="fp8-saturate",
+                checks=STORE_AND_ATTENTION)
+    return [
+        Sweep("fp8-saturate", dict(base, head_dim=64, seqs=((12, 2), (7, 1))), {"dtype": ("float32",)},
+              modes=("quick",)),
+        Sweep("fp8-saturate", dict(base, head_dim=128, seqs=((200, 13), (64, 1))),
+              {"dtype": ("float32", "bfloat16", "float16")}, modes=("full",)),
+    ]
+
+
+def _value_lanes() -> list[Sweep]:
+    base = dict(num_q_heads=4, num_kv_heads=2, block_size=16, data="value-lanes", dtype="float32",
+                checks=STORE_AND_ATTENTION)
+    return [
+        Sweep("value-lanes", dict(base, seqs=((13, 2), (6, 1))),
+              {("preset", "head_dim", "checks"): [("turboquant_k8v4", 80, STORE_AND_ATTENTION),
+                                                  ("bf16", 112, ATTENTION_ONLY)]},
+              modes=("quick",)),
+        Sweep("value-lanes", dict(base, seqs=((150, 30), (77, 1))),
+              {"preset": ("turboquant_k8v4", "bf16", "fp16"), "head_dim": (80, 96, 112)}, modes=("full",)),
+    ]
+
+
+def _splits() -> list[Sweep]:
+    return [
+        # Forced: one split over several key tiles, and 9 splits: more than any sequence's key tiles
+        # (40 tokens are 3 tiles of 16 keys in torch's interpreter, 2 of 32 in tq_jax).
+        Sweep("splits", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16,
+                             seqs=((40, 1), (3, 1), (17, 1), (0, 0)), decode_splits=(1, 9), checks=ATTENTION_ONLY),
+              {"preset": ("turboquant_4bit_nc",)}, modes=("quick",)),
+        # Natural: a block table of 16 tokens is one key tile, so the automatic count is one split.
+        Sweep("splits", dict(head_dim=64, num_q_heads=6, num_kv_heads=2, block_size=8,
+                             seqs=((8, 1), (5, 1), (1, 1)), checks=ATTENTION_ONLY),
+              {"preset": ("turboquant_k8v4",)}, modes=("quick",)),
+        Sweep("splits", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
+                             seqs=((3000, 1), (17, 1), (1, 1), (0, 0)), decode_splits=(1, 64)),
+              {"preset": ALL_PRESETS}, modes=("full",)),
+    ]
+
+
+def _sinks() -> list[Sweep]:
+    return [
+        # Short sequences on 8-token pages: a 16-token block table is one key tile, so decode runs a
+        # single split in both legs without forcing it.
+        Sweep("sinks", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=8, sinks=True,
+                            seqs=((1, 1), (2, 1), (3, 1), (0, 0)), checks=ATTENTION_ONLY),
+              {"preset": ("turboquant_k8v4",)}, modes=("quick",)),
+        Sweep("sinks", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, sinks=True,
+                            sliding_window=6, seqs=((20, 8), (9, 1), (5, 0)), checks=ATTENTION_ONLY),
+              {"preset": ("turboquant_4bit_nc",)}, modes=("quick",)),
+        Sweep("sinks", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, sinks=True,
+                            decode_splits=(1,)),
+              {"preset": ALL_PRESETS,
+               ("seqs", "sliding_window"): [(((1, 1), (2, 1), (3, 1), (900, 1), (0, 0)), None),
+                                            (((300, 300), (40, 7), (5, 0)), 64)]},
+              modes=("full",)),
+    ]
+
+
+def _softcap_small() -> list[Sweep]:
+    return [
+        Sweep("softcap-small", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, data="sharp",
+                                    checks=ATTENTION_ONLY),
+              {("preset", "logits_soft_cap", "sliding_window", "seqs"): [
+                  ("turboquant_k3v4_nc", 1.0, 3, ((18, 5), (7, 1))),
+                  ("bf16", 2.5, None, ((9, 9), (30, 1)))]},
+              modes=("quick",)),
+        Sweep("softcap-small", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, data="sharp",
+                                    seqs=((400, 20), (90, 1), (60, 60))),
+              {"preset": ALL_PRESETS, "logits_soft_cap": (1.0, 2.0, 3.0, 5.0), "sliding_window": (None, 37)},
+              sample=8, modes=("full",)),
+    ]
+
+
+def _nan_propagation() -> list[Sweep]:
+    # A case a leg is known to fail gets known=(("torch", "<reason>"),): its failures are reported as
+    # xfailed and a pass as an xpassed failure. tq_torch failed these until 7c4e0e7 (zeros for a NaN
+    # query row, finite values for NaN/+inf sinks).
+    return [
+        Sweep("nan-propagation", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, checks=ATTENTION_ONLY),
+              {("preset", "data", "sinks", "seqs"): [
+                  ("turboquant_4bit_nc", "nan-query", False, ((9, 3), (14, 1))),
+                  ("bf16", "nan-query", False, ((5, 1), (6, 1), (7, 1))),
+                  ("turboquant_k8v4", "nan-sinks", True, ((9, 3), (14, 1), (1, 1)))]},
+              modes=("quick",)),
+        Sweep("nan-propagation", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
+                                      checks=ATTENTION_ONLY),
+              {"preset": ALL_PRESETS,
+               ("data", "sinks", "seqs"): [("nan-query", False, ((300, 40), (900, 1))),
+                                           ("nan-sinks", True, ((300, 40), (900, 1), (1, 1)))]},
+              modes=("full",)),
+    ]
+
+
+def _padding() -> list[Sweep]:
+    return [
+        Sweep("padding", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16),
+              {("preset", "seqs", "pad_rows", "checks"): [
+                  ("turboquant_4bit_nc", ((9, 1), (0, 0), (5, 0), (12, 3)), 3,
+                   ("store", "attention", "paths", "cross", "determinism")),
+                  ("turboquant_k8v4", ((20, 1), (0, 0), (7, 1)), 1, ATTENTION_ONLY + ("determinism",))]},
+              modes=("quick",)),
+        Sweep("padding", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
+                              checks=STORE_AND_ATTENTION + ("determinism",)),
+              {"preset": ALL_PRESETS,
+               ("seqs", "pad_rows"): [(((900, 1), (0, 0), (33, 0), (200, 1)), 60),
+                                      (((300, 100), (0, 0), (64, 64)), 92)]},
+              sample=6, modes=("full",)),
+    ]
+
+
+def _cuda_graph() -> list[Sweep]:
+    return [Sweep("cuda-graph", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, gpu_only=True,
+                                     checks=("cuda-graph",)),
+                  {("preset", "seqs", "sinks"): [
+                      ("turboquant_4bit_nc", ((300, 1), (77, 1), (1, 1), (0, 0)), True),
+                      ("turboquant_k8v4", ((1000, 1), (5, 1)), False),
+                      ("bf16", ((64, 1), (640, 1), (0, 0)), False)]})]
+
+
 # -------------------------------------------------------------------------- random sweep
 
 
@@ -387,8 +546,14 @@ def sweeps(mode: str) -> list:
     return [
         *_flashinfer_short(), *_window_paths(), *_very_negative(), *_tile_padding(), *_gqa(), *_far_pages(),
         *_softcap_mask(), *_poison(), *_empty_splits(), *_window_edge(), *_bit_widths(), *_page_sizes(),
-        *_chunking(), *_params_as_data(), *_dtypes(), _random(mode),
+        *_chunking(), *_params_as_data(), *_dtypes(), *_key_ties(), *_fp8_saturate(), *_value_lanes(),
+        *_splits(), *_sinks(), *_softcap_small(), *_nan_propagation(), *_padding(), *_cuda_graph(), _random(mode),
     ]
+
+
+def error_cases() -> list[ErrorCase]:
+    """One ``errors`` case per row of the bad-input table (the same in every mode: the rows are tiny)."""
+    return [ErrorCase(r.id, r.op, r.kind, r.what) for r in bad_inputs()]
 
 
 def build_catalog(mode: str, seed: int = 0) -> list[Case]:
@@ -397,7 +562,7 @@ def build_catalog(mode: str, seed: int = 0) -> list[Case]:
     model = _model_gemma(mode)
     if all(c.id != model.id for c in cases):
         cases.insert(len([c for c in cases if c.group in ("flashinfer-short", "window-paths")]), model)
-    return cases
+    return cases + error_cases()
 
 
 def select(cases: Sequence[Case], patterns) -> list[Case]:

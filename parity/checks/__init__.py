@@ -23,4 +23,15 @@ and returns `parity.report.records.Record`s. All comparisons of the suite:
                -> `parity.checks.chunking`
   model        several layers in model order, each vs the reference for its own metadata.
                -> `parity.checks.model`
+  determinism  the same inputs twice through one leg: identical store bytes and outputs.
+               -> `parity.checks.determinism`
+  cuda-graph   the torch decode path captured in a CUDA graph and replayed with changing
+               seq_lens equals eager (GPU only). -> `parity.checks.cuda_graph`
+  errors       a bad-input row (`parity.catalog.bad_inputs`) through every kernel leg, with
+               and without validation, in a sandbox child with guard canaries.
+               -> `parity.checks.errors`
+
+Where the reference has NaN or Inf (a visible NaN/Inf input propagating), a leg must have the
+same NaN or Inf there (`parity.tolerances.check_attention`; `paths.max_diff` counts the same
+non-finite value on both sides as agreement).
 """

@@ -19,7 +19,9 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, str]:
     if x.size == 0:
         return 0.0, "empty"
     d = np.abs(x - y)
-    d = np.where(np.isnan(d), np.inf, d)
+    # The same NaN or Inf on both sides (a visible NaN input propagating) is agreement, not a difference.
+    same = (np.isnan(x) & np.isnan(y)) | (np.isinf(x) & (x == y))
+    d = np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
     i = np.unravel_index(int(np.argmax(d)), d.shape)
     return float(d[i]), f"[t={i[0]}, h={i[1]}, d={i[2]}]: {float(x[i]):.7g} vs {float(y[i]):.7g}"
 

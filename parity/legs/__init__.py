@@ -12,7 +12,7 @@ from .base import OPS, Leg, Unavailable, missing_ops
 LEG_NAMES = ("reference", "torch", "jax")
 # Self-test legs (parity.legs.fakes), accepted by --legs but never run by default.
 SELF_TEST_LEGS = ("numpy",) + tuple(f"broken-{k}" for k in (
-    "window-extend", "window-off-by-one", "gqa-modulo", "store-canary"))
+    "window-extend", "window-off-by-one", "gqa-modulo", "store-canary", "inf-output"))
 
 
 def load_leg(name: str):

@@ -68,6 +68,14 @@ class Leg(ABC):
                         rotation=None, codebook=None, path="auto") -> Any:
         """The contract op; returns ``[T, Hq, D]`` (leg-side)."""
 
+    # Whether `paged_attention_splits` can force the decode path's split count.
+    supports_splits: bool = False
+
+    def paged_attention_splits(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, num_splits: int,
+                               **kwargs) -> Any:
+        """The decode path with `num_splits` splits (a test hook of the kernels, not their public API)."""
+        raise NotImplementedError(f"{self.name} leg cannot force a decode split count")
+
     def synchronize(self) -> None:
         """Waits for queued device work (so timings and errors land in the right record)."""
 

@@ -25,6 +25,7 @@ BROKEN_KINDS = {
     "window-off-by-one": "window W treated as W + 1 (attention, window-edge cases)",
     "gqa-modulo": "query head h reads kv head h % Hkv instead of h // (Hq / Hkv) (attention, gqa)",
     "store-canary": "store_kv also writes one byte of an unnamed slot (store canary)",
+    "inf-output": "one output element of every call is +inf (attention: an infinite error the reports must survive)",
 }
 
 
@@ -45,6 +46,14 @@ class NumpyLeg(Leg):
     def store_kv(self, key, value, kv_cache, slot_mapping, *, preset, rotation=None, codebook=None):
         return reference.store_kv(key, value, kv_cache, slot_mapping, preset=preset, rotation=rotation,
                                   codebook=codebook)
+
+    supports_splits = True
+
+    def paged_attention_splits(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, num_splits: int,
+                               **kwargs):
+        # Every path (and split count) is the same float64 math here; this keeps the plumbing tested.
+        return self.paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, path="decode",
+                                    **kwargs)
 
     def paged_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, preset,
                         scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
@@ -101,6 +110,13 @@ class BrokenLeg(NumpyLeg):
             sliding_window = None
         if self.kind == "window-off-by-one" and sliding_window is not None:
             sliding_window = sliding_window + 1
+        if self.kind == "inf-output":
+            out = super().paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset,
+                                          sliding_window=sliding_window, sinks=sinks, path=path, **kw)
+            if out.size:
+                out = out.copy()
+                out.reshape(-1)[0] = np.inf
+            return out
         if self.kind == "gqa-modulo":
             hq, hkv = query.shape[1], kv_cache.shape[2]
             g = hq // hkv

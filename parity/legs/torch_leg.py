@@ -58,11 +58,29 @@ class TorchLeg(KernelModuleLeg):
     def paged_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, preset,
                         scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
                         rotation=None, codebook=None, path="auto"):
+        # out= filled with NaN (DESIGN.md section 6): an element the kernel leaves unwritten (a padding
+        # row, a row of an empty request) shows as NaN instead of whatever torch.empty held.
+        out = self._torch.full_like(query, float("nan"), memory_format=self._torch.contiguous_format)
         return self._mod.paged_attention(
             query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-            rotation=rotation, codebook=codebook, path=path,
+            rotation=rotation, codebook=codebook, path=path, out=out,
         )
+
+    supports_splits = True
+
+    def paged_attention_splits(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, num_splits: int,
+                               preset, scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                               rotation=None, codebook=None):
+        # tq_torch's public op picks the split count from shapes; its private entry takes a count
+        # (the hook tq_torch's own tests use). Validation follows TQ_VALIDATE, as the public op's.
+        from tq_torch._src.api import _paged_attention
+
+        out = self._torch.full_like(query, float("nan"), memory_format=self._torch.contiguous_format)
+        return _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
+                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                rotation=rotation, codebook=codebook, path="decode", out=out,
+                                num_splits=int(num_splits))
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -15,7 +15,7 @@ import math
 import os
 from collections import defaultdict
 
-from .records import FAILED, PASSED, SKIPPED, UNAVAILABLE, final_line, tally
+from .records import FAILED, PASSED, SKIPPED, UNAVAILABLE, XFAILED, final_line, tally
 
 
 # What each check name (the ``op`` column) compares; the Markdown report explains them.
@@ -34,10 +34,20 @@ OP_TEXT = {
     "chunking": "the same tokens stored and attended in chunks (path `chunk=N`) equal one prefill",
     "model": "several layers in model order (mixed presets, windows, head dims), each vs the reference",
     "case": "the whole case: a skip (e.g. a GPU-only case on CPU) or a harness error",
+    "errors": "a bad input (parity/catalog/bad_inputs.py) given to each kernel leg: with validate=True "
+              "(path `validated:*`) it raises the reference's exception class naming the same argument; with "
+              "validate=False (`unvalidated:<path>`) it does not crash (it runs in a child process), writes "
+              "nothing outside the cache or its output (canary guards) and the untouched sequences' rows "
+              "match the reference; `torch|jax` records say the two legs agree",
+    "determinism": "the same inputs twice through the same leg give identical bytes (store) and identical "
+                   "outputs (every path)",
+    "cuda-graph": "the torch decode path captured in a CUDA graph and replayed with changed seq_lens equals "
+                  "the eager call on the same inputs, and the reference (GPU only)",
 }
 
 # Display order: the comparisons in the order a case runs them, presets as tq_spec lists them.
-OP_ORDER = ("store", "attention", "paths", "cross-store", "cross", "interchange", "e2e", "chunking", "model", "case")
+OP_ORDER = ("store", "attention", "paths", "cross-store", "cross", "interchange", "e2e", "chunking", "model",
+            "determinism", "cuda-graph", "errors", "case")
 
 
 def _sort_key(key):
@@ -51,12 +61,20 @@ def _sort_key(key):
 
 
 def summary_rows(records) -> list[tuple]:
-    """``(op, preset, path, passed, failed, skipped)`` grouped, in display order."""
-    groups = defaultdict(lambda: [0, 0, 0])
+    """``(op, preset, path, passed, failed, skipped)`` grouped, in display order; with a fourth count,
+    ``xfailed`` (known failures), when any record is one."""
+    groups = defaultdict(lambda: [0, 0, 0, 0])
     for r in records:
         g = groups[(r.op, r.preset, r.path)]
-        g[(PASSED, FAILED, SKIPPED).index(r.counted_as)] += 1
-    return [(op, preset, path, *groups[(op, preset, path)]) for op, preset, path in sorted(groups, key=_sort_key)]
+        g[(PASSED, FAILED, SKIPPED, XFAILED).index(r.counted_as)] += 1
+    width = 4 if any(r.status == XFAILED for r in records) else 3
+    return [(op, preset, path, *groups[(op, preset, path)][:width])
+            for op, preset, path in sorted(groups, key=_sort_key)]
+
+
+def _headers(rows) -> tuple:
+    base = ("op", "preset", "path", "passed", "failed", "skipped")
+    return base + ("xfailed",) if rows and len(rows[0]) == 7 else base
 
 
 def leg_seconds(records) -> list[tuple[str, float]]:
@@ -81,7 +99,8 @@ def format_table(headers, rows) -> str:
 
 
 def summary_table(records) -> str:
-    return format_table(("op", "preset", "path", "passed", "failed", "skipped"), summary_rows(records))
+    rows = summary_rows(records)
+    return format_table(_headers(rows), rows)
 
 
 def unavailable_lines(records) -> list[str]:
@@ -113,6 +132,26 @@ def skip_lines(records) -> list[str]:
     return [f"skipped: {reason} ({n} record(s), {k} case(s))" for reason, n, k in skip_reasons(records)]
 
 
+def known_failures(records) -> list[tuple[str, int, list[str]]]:
+    """``(reason, records, case ids)`` of the ``xfailed`` records, by reason, largest group first."""
+    groups = defaultdict(lambda: [0, []])
+    for r in records:
+        if r.status == XFAILED:
+            g = groups[r.metrics.get("known") or r.detail.splitlines()[0]]
+            g[0] += 1
+            if r.case_id not in g[1]:
+                g[1].append(r.case_id)
+    return sorted(((k, n, ids) for k, (n, ids) in groups.items()), key=lambda x: (-x[1], x[0]))
+
+
+def known_failure_lines(records) -> list[str]:
+    out = []
+    for reason, n, ids in known_failures(records):
+        shown = ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+        out.append(f"known failure: {reason} ({n} record(s): {shown})")
+    return out
+
+
 def failure_text(r) -> str:
     """A failure: what failed, the worst element, and the repro line."""
     where = f"{r.case_id} [{r.op} {r.leg} {r.path}" + (f" {r.layer}" if r.layer else "") + "]"
@@ -134,6 +173,9 @@ def console_report(records, legs_text, *, interrupted: str = "") -> str:
     un = unavailable_lines(records) + skip_lines(records)
     if un:
         out += [""] + un
+    known = known_failure_lines(records)
+    if known:
+        out += [""] + known
     fails = [r for r in records if r.status == FAILED]
     if fails:
         out += ["", f"{len(fails)} failure(s):"] + [failure_text(r) for r in fails]
@@ -200,10 +242,12 @@ def markdown(records, meta: dict) -> str:
         lines.append(f"- leg: {t}")
     for k, v in meta.get("versions", {}).items():
         lines.append(f"- {k}: {v}")
-    lines += ["", f"**{final_line(records)}**", "", "| op | preset | path | passed | failed | skipped |",
-              "|---|---|---|---:|---:|---:|"]
-    for op, preset, path, p, fl, s in summary_rows(records):
-        lines.append(f"| {op} | {preset} | {path} | {p} | {fl} | {s} |")
+    rows = summary_rows(records)
+    heads = _headers(rows)
+    lines += ["", f"**{final_line(records)}**", "", "| " + " | ".join(heads) + " |",
+              "|---|---|---|" + "---:|" * (len(heads) - 3)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(x) for x in row) + " |")
     ops = sorted({r.op for r in records}, key=lambda op: OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER))
     if ops:
         lines += ["", "## Checks", "",
@@ -216,6 +260,14 @@ def markdown(records, meta: dict) -> str:
         lines += ["", "## Skipped", "", "Skipped records are never counted as passed.", ""]
         lines += [f"- unavailable leg: {u.removeprefix('unavailable: ')}" for u in un]
         lines += [f"- {reason} ({n} record(s), {k} case(s))" for reason, n, k in skips]
+    known = known_failures(records)
+    if known:
+        lines += ["", "## Known failures", "",
+                  "Tracked in the catalog with their reason (strict: one that passes fails the run as "
+                  "`xpassed`, so the mark is removed). They do not fail the run.", ""]
+        for reason, n, ids in known:
+            lines.append(f"- {reason} ({n} record(s))")
+            lines += [f"  - `{i}`" for i in ids]
     fails = [r for r in records if r.status == FAILED]
     if fails:
         lines += ["", "## Failures", "",

@@ -6,4 +6,5 @@
   case_run     `CaseRun`: the per-case state shared by the checks (problem, reference output, caches).
   parallel     cases in worker processes (``--jobs``).
   progress     the progress line with an ETA on stderr.
+  sandbox      `Sandbox`: a child process for calls that may crash (the errors check's bad metadata).
 """

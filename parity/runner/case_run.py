@@ -110,7 +110,11 @@ class CaseRun:
         kw["sinks"] = sinks
         dev_cache = leg.put(cache) if isinstance(cache, np.ndarray) else cache
         try:
-            out = leg.paged_attention(q, dev_cache, bt, sl, qsl, path=path, **kw)
+            splits = split_count(path)
+            if splits is not None:
+                out = leg.paged_attention_splits(q, dev_cache, bt, sl, qsl, num_splits=splits, **kw)
+            else:
+                out = leg.paged_attention(q, dev_cache, bt, sl, qsl, path=path, **kw)
             return leg.get(out)
         except Exception as e:
             raise LegError(f"{leg.name}.paged_attention(path={path!r})", e) from e
@@ -180,6 +184,19 @@ class CaseRun:
     def record(self, op: str, leg: str, path: str, status: str, detail: str = "", *, legs=(), **extra) -> Record:
         return Record(case_id=self.case.id, op=op, leg=leg, path=path, preset=self.case.preset,
                       status=status, detail=detail, legs=tuple(legs) or (leg,), **extra)
+
+
+SPLITS_PREFIX = "decode/splits="
+
+
+def split_path(n: int) -> str:
+    """The path name of the decode path forced to `n` splits."""
+    return f"{SPLITS_PREFIX}{n}"
+
+
+def split_count(path: str):
+    """`n` for a ``decode/splits=n`` path, else None."""
+    return int(path[len(SPLITS_PREFIX):]) if path.startswith(SPLITS_PREFIX) else None
 
 
 def attention_metrics(cmp) -> dict:

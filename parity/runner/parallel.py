@@ -140,5 +140,8 @@ def run_cases(leg_names: Sequence[str], options, cases: Sequence[Case], jobs: in
 
     runner = Runner(list(legs) if legs is not None else [load_leg(n) for n in leg_names], options,
                     on_case=on_case)
-    records = runner.run(cases)
+    try:
+        records = runner.run(cases)
+    finally:
+        runner.close()
     return records, runner.interrupted

@@ -19,18 +19,20 @@ import numpy as np
 
 import tq_spec
 
-from .case_run import CaseRun
-from ..catalog.cases import AttentionCase, Case, ModelCase
+from .case_run import CaseRun, split_path
+from ..catalog.cases import AttentionCase, Case, ErrorCase, ModelCase
 from ..catalog.problem import build_problem
 from ..checks.attention import check_attention
 from ..checks.chunking import check_chunking
+from ..checks.cuda_graph import check_cuda_graph
+from ..checks.determinism import check_determinism
 from ..checks.distortion import check_e2e
 from ..checks.model import check_model, layer_runs
 from ..checks.pairs import check_cross, check_cross_store, check_interchange
 from ..checks.paths import check_paths
 from ..checks.store import check_store
 from ..legs.base import Unavailable
-from ..report.records import FAILED, SKIPPED, UNAVAILABLE, Record
+from ..report.records import FAILED, SKIPPED, UNAVAILABLE, XFAILED, Record
 
 # Which contract ops each comparison needs from a (single) leg.
 _NEEDS = {
@@ -40,6 +42,8 @@ _NEEDS = {
     "e2e": ("store_kv", "paged_attention"),
     "chunking": ("store_kv", "paged_attention"),
     "model": ("store_kv", "paged_attention"),
+    "determinism": ("paged_attention",),
+    "cuda-graph": ("paged_attention",),
 }
 _ORACLE_CHECKS = ("e2e", "chunking")  # the reference compared with itself elsewhere is vacuous
 _PAIR_CHECKS = {  # check -> (op name in records, writer needs, reader needs)
@@ -64,10 +68,43 @@ class Options:
     force_auto_choice: bool = False
 
 
+def apply_known(records: list[Record], case) -> list[Record]:
+    """A case's known failures (``case.known``: (leg, reason) pairs), as pytest's strict xfail.
+
+    Every failed record the leg takes part in becomes ``xfailed`` with the reason; if none failed,
+    one failed ``xpassed`` record says the mark must go.
+    """
+    for leg, reason in getattr(case, "known", ()) or ():
+        mine = [r for r in records if leg in (r.legs or (r.leg,))]
+        failed = [r for r in mine if r.status == FAILED]
+        for r in failed:
+            r.status = XFAILED
+            r.detail = f"known failure ({reason}): {r.detail}"
+            r.metrics = {**r.metrics, "known": reason}
+        if not failed and mine:
+            records.append(Record(case.id, "case", leg, "-", getattr(case, "preset", "mixed"), FAILED,
+                                  f"xpassed: the known failure of {leg} no longer happens ({reason}); remove it "
+                                  "from the case's `known` (parity/catalog/catalog.py)", legs=(leg,)))
+    return records
+
+
 def repro_line(mode: str, case_id: str, seed: int, legs: Sequence[str]) -> str:
     """The one-line command that re-runs one case."""
     return (f"python -m parity --{mode} --filter {shlex.quote(case_id)} --seed {seed} "
             f"--legs {','.join(legs)}")
+
+
+# Groups of cases that are not in any catalog (fuzzer draws, --case specs): their repro names the case.
+SPEC_GROUPS = ("fuzz", "case")
+
+
+def repro_for(case, mode: str, seed: int, legs: Sequence[str]) -> str:
+    """`repro_line`, or for a case outside the catalogs ``python -m parity --case '<json>' ...``."""
+    if getattr(case, "group", "") in SPEC_GROUPS and isinstance(case, AttentionCase):
+        from ..catalog.fuzz import case_spec
+
+        return f"python -m parity --case {shlex.quote(case_spec(case))} --seed {seed} --legs {','.join(legs)}"
+    return repro_line(mode, case.id, seed, legs)
 
 
 class Runner:
@@ -78,6 +115,7 @@ class Runner:
         self.legs = list(legs)
         self.options = options
         self.on_case = on_case
+        self._errors = None  # parity.checks.errors.ErrorsRunner: sandbox children, started on first use
 
     @property
     def kernel_legs(self) -> list:
@@ -110,7 +148,7 @@ class Runner:
         recs = self.run_case(case)
         for r in recs:
             if r.status == FAILED:
-                r.repro = repro_line(self.options.mode, case.id, self.options.seed, r.legs or (r.leg,))
+                r.repro = repro_for(case, self.options.mode, self.options.seed, r.legs or (r.leg,))
         return recs
 
     def run_case(self, case: Case) -> list[Record]:
@@ -122,6 +160,8 @@ class Runner:
             with np.errstate(all="ignore"):
                 if isinstance(case, ModelCase):
                     return self._run_model(case)
+                if isinstance(case, ErrorCase):
+                    return self._run_errors(case)
                 return self._run_attention(case)
         except Exception as e:  # a harness bug must fail loudly, with the case id
             return [Record(case.id, "case", "harness", "-", getattr(case, "preset", "mixed"), FAILED,
@@ -150,7 +190,7 @@ class Runner:
         recs: list[Record] = []
         for leg in self.legs:
             for check in case.checks:
-                if check in _PAIR_CHECKS or check not in _NEEDS:
+                if check in _PAIR_CHECKS or check not in _NEEDS or check == "determinism":
                     continue
                 if leg.oracle and check not in _ORACLE_CHECKS:
                     continue
@@ -168,11 +208,19 @@ class Runner:
                     recs += check_e2e(run, leg)
                 elif check == "chunking":
                     recs += check_chunking(run, leg, case.chunks)
+                elif check == "cuda-graph":
+                    recs += check_cuda_graph(run, leg)
         recs += self._pairs(case, run)
-        return recs
+        if "determinism" in case.checks:  # after every check, so it repeats each path they ran
+            for leg in self.kernel_legs:
+                if self._lacks(leg, _NEEDS["determinism"]) is None:
+                    recs += check_determinism(run, leg)
+        return apply_known(recs, case)
 
     def _paths(self, run, leg) -> tuple[str, ...]:
         paths = leg.paths(run.dispatch_problem())
+        if run.case.decode_splits and "decode" in paths and leg.supports_splits:
+            paths = paths + tuple(split_path(n) for n in run.case.decode_splits)
         if self.options.force_auto_choice or "auto" not in paths:
             return paths
         chosen = tq_spec.dispatch.select_path(run.dispatch_problem())
@@ -205,6 +253,35 @@ class Runner:
                     else:
                         recs += check_interchange(run, a, b)
         return recs
+
+    # -- bad inputs ---------------------------------------------------------------------------
+
+    def _run_errors(self, case: ErrorCase) -> list[Record]:
+        from ..catalog.bad_inputs import row_by_id
+        from ..checks.errors import ErrorsRunner, check_errors
+
+        row = row_by_id(case.row_id)
+        recs: list[Record] = []
+        names = []
+        for leg in self.kernel_legs:
+            if leg.name not in ("torch", "jax") or leg.name not in row.legs:
+                continue
+            if isinstance(leg, Unavailable):
+                recs.append(self._unavailable(case.id, "errors", leg.name, "-", case.preset, leg.reason, (leg.name,)))
+                continue
+            names.append(leg.name)
+        if not names and not recs:
+            return [Record(case.id, "errors", "-", "-", case.preset, SKIPPED,
+                           "the errors check runs the torch and jax legs only (none selected for this row)")]
+        if self._errors is None:
+            self._errors = ErrorsRunner(self.options.seed)
+        return recs + check_errors(row, names, self._errors, case.id, case.preset)
+
+    def close(self) -> None:
+        """Ends helper processes (the errors check's sandboxes)."""
+        if self._errors is not None:
+            self._errors.close()
+            self._errors = None
 
     # -- model cases ------------------------------------------------------------------------
 

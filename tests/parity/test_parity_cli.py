@@ -87,3 +87,29 @@ def test_help_lists_options(capsys):
     text = capsys.readouterr().out
     for opt in ("--quick", "--full", "--legs", "--filter", "--list", "--seed", "--report", "--fail-fast"):
         assert opt in text
+
+
+def test_errors_op_through_the_cli(tmp_path, capsys):
+    """The errors op in `python -m parity`: rows as cases, records per leg and mode, known failures xfailed."""
+    from parity.catalog.bad_inputs import bad_inputs
+
+    assert main(["--quick", "--list", "--filter", "errors"]) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("errors:")]
+    assert len(listed) == len(bad_inputs())
+    known = next(r for r in bad_inputs() if r.known)
+    rc = main(["--quick", "--filter", f"errors:store/slot-eq-NP,errors:{known.id}", "--jobs", "1", "--no-progress",
+               "--report", str(tmp_path)])
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "parity.json").read_text())
+    recs = [r for r in doc["records"] if r["op"] == "errors"]
+    assert {r["leg"] for r in recs} == {"torch", "jax", "torch|jax"}
+    assert {r["path"] for r in recs if r["case_id"] == "errors:store/slot-eq-NP"} == {
+        "validated:auto", "unvalidated:auto"}
+    store = [r for r in recs if r["case_id"] == "errors:store/slot-eq-NP"]
+    assert all(r["status"] == "passed" for r in store), [r["detail"] for r in store]
+    # A known failure is reported as xfailed (the run passes), or, once fixed, fails as xpassed.
+    mine = [r for r in recs if r["case_id"] == f"errors:{known.id}"]
+    assert any(r["status"] == "xfailed" for r in mine) or any(r["detail"].startswith("xpassed") for r in mine)
+    assert rc == (0 if not any(r["status"] == "failed" for r in recs) else 1), out
+    md = (tmp_path / "parity.md").read_text()
+    assert "- **errors**: " in md

@@ -1,7 +1,8 @@
 """The parity catalog as a test: quick on every machine (CI: interpreters), full with ``-m gpu``.
 
 Equivalent to ``python -m parity --quick`` / ``--full`` with all three legs (and the same
-worker processes: `parity.runner.parallel.default_jobs`). A kernel leg that
+worker processes: `parity.runner.parallel.default_jobs`), except the ``errors`` group: its bad-input
+rows run once, as tests/test_bad_inputs.py (one test per row and leg, with strict xfail marks). A kernel leg that
 cannot be loaded fails these tests (with the reason): in this repository both kernel packages
 are part of the product, so "unavailable" here means broken, not optional.
 """
@@ -24,8 +25,9 @@ def _run(mode: str):
     legs = [load_leg(n) for n in LEG_NAMES]
     missing = [leg.describe() for leg in legs if isinstance(leg, Unavailable)]
     assert not missing, "legs unavailable: " + "; ".join(missing)
+    cases = [c for c in build_catalog(mode, 0) if c.group != "errors"]
     records, interrupted = run_cases(LEG_NAMES, Options(mode=mode, seed=0, has_gpu=has_gpu),
-                                     build_catalog(mode, 0), default_jobs(has_gpu), legs=legs)
+                                     cases, default_jobs(has_gpu), legs=legs)
     assert not interrupted
     print(summary_table(records))
     print(final_line(records))

@@ -104,3 +104,18 @@ def test_cli_prints_why_gpu_only_cases_were_skipped(tmp_path, capsys):
     assert rc == 0, out
     assert f"skipped: {GPU_REASON} (" in out
     assert GPU_REASON in (tmp_path / "parity.md").read_text()
+
+
+def test_cli_report_survives_a_real_infinite_error(tmp_path, capsys):
+    """End to end: a leg whose output holds +inf fails with max_err inf; both reports are written."""
+    one = "flashinfer-short:4bit-d64-h14x2-p16-s9q8-bf16"
+    rc = main(["--quick", "--filter", one, "--legs", "broken-inf-output", "--no-progress", "--report", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    doc = _strict_loads((tmp_path / "parity.json").read_text())
+    failed = [r for r in doc["records"] if r["status"] == "failed" and r["op"] == "attention"]
+    assert failed and all(r["metrics"]["max_err"] == "inf" for r in failed)
+    md = (tmp_path / "parity.md").read_text()
+    assert "## Failures" in md and "worst: [t=0, h=0, d=0]: got inf" in md
+    assert f"repro: `python -m parity --quick --filter {one} --seed 0 --legs broken-inf-output`" in md
+    assert "- **attention**: " in md
