@@ -154,9 +154,12 @@ def _write(args, env, roofline, rows, goals, notes) -> None:
     if args.benchmarks_md:
         page_dir = os.path.dirname(os.path.abspath(args.benchmarks_md))
         rel = [os.path.relpath(os.path.join(os.path.abspath(args.out), p), page_dir) for p in plots]
+        # Curated same-run A/B tables of the decisive kernel steps, kept by hand next to the run.
+        steps_path = os.path.join(args.out, "steps.md")
+        steps = open(steps_path).read().rstrip() + "\n" if os.path.exists(steps_path) else ""
         with open(args.benchmarks_md, "w") as f:
             f.write(markdown(env, roofline, rows, goals, notes, rel, title="Benchmarks", before=before)
-                    + _REGENERATE)
+                    + ("\n" + steps if steps else "") + _REGENERATE)
         print(f"wrote {args.benchmarks_md}")
 
 
