@@ -6,7 +6,7 @@ compiled CUDA extensions that this project never loads (its backend runs
 tq_torch's Triton kernels, and the peer tests call vLLM's Triton kernels), so:
 
 ``python tests/vllm/gpu_carry.py build`` (here, with network) writes the
-git-ignored folder ``.vllm_gpu/`` (about 40 MB):
+git-ignored folder ``.vllm_gpu/`` (about 26 MB):
 
 * ``vllm-0.33.0-python.tar.gz``: the wheel's Python modules, data files and
   ``.dist-info`` (no ``.so``, no ``vllm-rs``, no CUDA/C++ headers);
@@ -14,7 +14,10 @@ git-ignored folder ``.vllm_gpu/`` (about 40 MB):
   GPU image does not have (`CARRY`).
 
 ``python3 tests/vllm/gpu_carry.py install DIR`` (there, offline) installs both
-into DIR; then ``PYTHONPATH=.:DIR python3 -m pytest -m gpu tests/vllm``.
+into DIR; then ``PYTHONPATH=.:DIR python3 -m pytest -m gpu tests/vllm``. With no
+compiled extensions vLLM cannot use its CUDA platform (it imports FlashAttention's
+extension), so the tests select its CPU platform (`vllm_testlib.import_vllm`);
+the kernels under test still run on the GPU.
 """
 
 from __future__ import annotations
