@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental import pallas as pl
 
 import tq_spec
@@ -18,6 +20,7 @@ from tq_jax._src import kernel_math as km
 from tq_jax._src.platform import interpret_default, pallas_kwargs
 
 _BLOCK = 1024
+DTYPES_16 = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def _elementwise_in_kernel(fn, *arrays, out_dtype):
@@ -104,3 +107,84 @@ def test_ieee_div_in_kernel_is_correctly_rounded():
     use_ptx = not interpret_default()
     got = _elementwise_in_kernel(lambda x, y: km.ieee_div(x, y, use_ptx=use_ptx), a, b, out_dtype=jnp.float32)
     np.testing.assert_array_equal(got, a / b)
+
+
+def _in_kernel_2d(fn, x, out_shape, out_dtype):
+    """``fn(x)`` for a small 2-D int32 array inside one Pallas program (interpret mode on CPU)."""
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = fn(x_ref[...]).astype(o_ref.dtype)
+
+    return np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+                                     **pallas_kwargs(interpret=None, num_warps=4))(jnp.asarray(x)))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_code_unpacking_from_bytes_matches_spec(bits):
+    """The attention kernels' unpack (byte joins for 4 bits, byte planes for 3) in element order."""
+    rng = np.random.default_rng(bits)
+    n, d = 16, 64
+    codes = rng.integers(0, 1 << bits, (n, d)).astype(np.uint8)
+    packed = tq_spec.pack_bits(codes, bits).astype(np.int32)  # [n, d * bits / 8]
+    if bits == 4:
+        fn = lambda b: km.codes_from_bytes(b, 4)  # noqa: E731
+        x = packed
+    else:
+        x = packed.reshape(n, d // 8, 3).transpose(0, 2, 1).reshape(n, 3 * d // 8)  # the 3 planes side by side
+        g = d // 8
+
+        def fn(b):
+            planes = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (n, 3, g), 1) == i,
+                                        b.reshape(n, 3, g), 0), axis=1) for i in range(3)]
+            return km.codes_from_byte_planes(*planes)
+
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x))), codes)
+    if bits == 4:  # the join + reshape also inside a kernel (Triton on a GPU)
+        np.testing.assert_array_equal(_in_kernel_2d(fn, x, (n, d), jnp.int32), codes)
+
+
+def test_bytes_to_words_and_interleave():
+    rng = np.random.default_rng(5)
+    b = rng.integers(0, 256, (16, 64)).astype(np.int32)
+    want = b[:, 0::2] | (b[:, 1::2] << 8)
+    np.testing.assert_array_equal(np.asarray(km.bytes_to_words(jnp.asarray(b))), want)
+    np.testing.assert_array_equal(_in_kernel_2d(km.bytes_to_words, b, (16, 32), jnp.int32), want)
+    lo, hi = jnp.asarray(b[:, :32]), jnp.asarray(b[:, 32:])
+    inter = np.asarray(km.interleave(lo, hi))
+    np.testing.assert_array_equal(inter[:, 0::2], b[:, :32])
+    np.testing.assert_array_equal(inter[:, 1::2], b[:, 32:])
+
+
+def test_fp8_bytes_to_float_is_exact_on_all_bytes():
+    codes = np.arange(256, dtype=np.int32)
+    want = tq_spec.fp8_e4m3fn_decode(codes.astype(np.uint8))
+    for dt in (jnp.float32, jnp.bfloat16, jnp.float16):
+        got = _elementwise_in_kernel(lambda c, dt=dt: km.fp8_bytes_to_float(c, dt).astype(jnp.float32), codes,
+                                     out_dtype=jnp.float32)
+        np.testing.assert_array_equal(got, want)  # NaN where the spec says NaN
+
+
+@pytest.mark.parametrize("c", [1, 3, 5, 16, 48])
+def test_nonnegative_div_and_rem(c):
+    x = np.arange(0, 5000, 7, dtype=np.int32)
+    np.testing.assert_array_equal(np.asarray(km.div_nonneg(jnp.asarray(x), c)), x // c)
+    np.testing.assert_array_equal(np.asarray(km.rem_nonneg(jnp.asarray(x), c)), x % c)
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, "bfloat16"), (4, "float32"), (3, "float16")])
+def test_key_pair_tables(bits, dtype):
+    from tq_jax._src.kv_tiles import key_pair_tables
+
+    cents = np.zeros(16, np.float32)
+    cents[: 1 << bits] = np.random.default_rng(bits).standard_normal(1 << bits).astype(np.float32) * 0.1
+    tab = np.asarray(key_pair_tables(jnp.asarray(cents), bits, dtype, True))
+    i = np.arange(1 << (2 * bits))
+    lo, hi = cents[i & ((1 << bits) - 1)], cents[i >> bits]
+    if dtype == "float32":
+        np.testing.assert_array_equal(tab[0].view(np.float32), lo)
+        np.testing.assert_array_equal(tab[1].view(np.float32), hi)
+    else:
+        half = np.dtype(DTYPES_16[dtype])
+        np.testing.assert_array_equal((tab[0] & 0xFFFF).astype(np.uint16).view(half), lo.astype(half))
+        np.testing.assert_array_equal((tab[0] >> 16).astype(np.uint16).view(half), hi.astype(half))
+    np.testing.assert_array_equal(tab[2].view(np.float32), lo * lo + hi * hi)

@@ -162,3 +162,75 @@ def test_nan_in_a_visible_slot_propagates(path, field):
     ref = _reference(case, case.query)
     assert np.isnan(ref[1, :2]).all() and not np.isnan(ref[[0, 2]]).any()
     _check_nan_pattern(case, path, _run(case, path), ref, clean)
+
+
+# ---------------------------------------------------------------- metadata guards
+# Always on, as in tq_torch: no value of block_table, seq_lens or query_start_loc
+# moves a load outside the cache or a store outside the output. A block id
+# outside [0, N) masks its keys, seq_lens is clamped to what the block table can
+# address, query_start_loc to [0, T]. Rows of well-formed sequences are bitwise
+# unchanged by a neighbour's bad metadata.
+
+_GUARD_PATHS = ("decode", "extend")
+
+
+def _guard_case():
+    return _case(6, seq_lens=(9, 5, 6), q_lens=(3, 1, 1), sinks=True, sliding_window=7, logits_soft_cap=30.0)
+
+
+def _run_raw(case, path, **replace):
+    """The jitted op with validation off (the guards are what is tested), NaN-poisoned outputs."""
+    return np.asarray(attend(dataclasses.replace(case, **replace), path)).astype(np.float32)
+
+
+def _rows(case, seq):
+    return slice(int(case.query_start_loc[seq]), int(case.query_start_loc[seq + 1]))
+
+
+@pytest.mark.parametrize("path", _GUARD_PATHS)
+@pytest.mark.parametrize("bad_id", [-5, 2**31 - 1, 10**6])
+def test_block_ids_out_of_range_mask_their_keys(path, bad_id):
+    case = _guard_case()
+    clean = _run_raw(case, path)
+    table = case.block_table.copy()
+    table[1] = bad_id
+    out = _run_raw(case, path, block_table=table)
+    for seq in (0, 2):
+        np.testing.assert_array_equal(out[_rows(case, seq)], clean[_rows(case, seq)])
+    assert np.all(out[_rows(case, 1)] == 0)  # no visible key: the softmax is over the sink alone
+
+
+@pytest.mark.parametrize("path", _GUARD_PATHS)
+def test_one_bad_block_id_masks_only_that_page(path):
+    case = _guard_case()
+    clean = _run_raw(case, path)
+    table = case.block_table.copy()
+    table[0, 1] = 10**6  # positions 4..7 of sequence 0
+    out = _run_raw(case, path, block_table=table)
+    assert np.isfinite(out).all()
+    assert not np.array_equal(out[_rows(case, 0)], clean[_rows(case, 0)])
+    for seq in (1, 2):
+        np.testing.assert_array_equal(out[_rows(case, seq)], clean[_rows(case, seq)])
+
+
+@pytest.mark.parametrize("path", _GUARD_PATHS)
+@pytest.mark.parametrize("seq_len", [10**6, 2**31 - 1, -7])
+def test_seq_lens_out_of_range_are_clamped(path, seq_len):
+    case = _guard_case()
+    clean = _run_raw(case, path)
+    seq_lens = case.seq_lens.copy()
+    seq_lens[1] = seq_len
+    out = _run_raw(case, path, seq_lens=seq_lens)
+    for seq in (0, 2):
+        np.testing.assert_array_equal(out[_rows(case, seq)], clean[_rows(case, seq)])
+
+
+@pytest.mark.parametrize("path", _GUARD_PATHS)
+@pytest.mark.parametrize("qsl", [[0, 6, 5, 5], [0, 3, 4, 10**6], [0, 3, 2**31 - 1, 5]])
+def test_query_start_loc_out_of_rule_stays_in_bounds(path, qsl):
+    case = _guard_case()
+    clean = _run_raw(case, path)
+    out = _run_raw(case, path, query_start_loc=np.asarray(qsl, np.int32))
+    assert out.shape == clean.shape
+    if qsl[:2] == [0, 3]:  # sequence 0 untouched by the bad entries after it
+        np.testing.assert_array_equal(out[0:3], clean[0:3])

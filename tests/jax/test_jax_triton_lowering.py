@@ -114,7 +114,8 @@ def test_attention_kernels_lower_to_triton(triton_modules, cfg, path):
     )
     assert len(triton_modules) == 1
     dots = [line for line in triton_modules[0].splitlines() if "tt.dot" in line]
-    assert len(dots) == 2, dots  # q @ k^T and p @ v, once each per key tile
+    # Per key tile: q @ k^T (mse keys: even and odd elements, the split dot) and p @ v.
+    assert len(dots) == (3 if tq_spec.get_preset(preset).key_format == "mse" else 2), dots
     for line in dots:
         # Operands in the query dtype, float32 accumulation. float32 queries
         # must get IEEE dots: Triton prints a non-default inputPrecision (tf32)
@@ -139,3 +140,57 @@ def test_harness_rejects_a_non_power_of_two_tile(triton_modules):
 
     with pytest.raises(Exception, match="power of 2"):
         _lower_for_cuda(fn, S((16,), jnp.float32))
+
+
+def _triton_ttgir(ttir: str, num_warps: int, num_stages: int) -> str:
+    """Compiles a lowered module with the installed Triton for sm_90a; skips if that cannot run here."""
+    import os
+    import tempfile
+
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ttir")
+            with open(path, "w") as f:
+                f.write(ttir)
+            kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=num_warps, num_stages=num_stages))
+    except Exception as e:  # no usable Triton/ptxas for sm_90a on this host
+        pytest.skip(f"Triton cannot compile for sm_90a here: {type(e).__name__}: {str(e)[:200]}")
+    return kernel.asm["ttgir"]
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_decode_cache_loads_are_vectorized(triton_modules, preset):
+    """The compiled decode kernel (Triton, sm_90a) reads each slot's code bytes with vector loads and a
+    warp along one slot (issue 11: every 16-bit word used to be two 1-byte gathers, one per thread), and
+    never moves a tile of pointers between layouts (a gathered centroid tile did: 64 KB of shared
+    memory per key tile)."""
+    import re
+
+    from tq_jax._src import config
+
+    d, hq, hkv = 128, 8, 2
+    lay = tq_spec.layout(preset, d)
+    kp = resolve(preset, d)
+    fn = functools.partial(paged_attention_call, preset_name=preset, scale=0.125, sliding_window=None,
+                           logits_soft_cap=None, path="decode", num_splits=None, interpret=False)
+    _lower_for_cuda(
+        fn, S((4, hq, d), jnp.bfloat16), S((40, 16, hkv, lay.slot_bytes), jnp.uint8), S((4, 10), jnp.int32),
+        S((4,), jnp.int32), S((5,), jnp.int32), None,
+        None if kp.rotation is None else S((d, d), jnp.float32),
+        None if kp.centroids is None else S((16,), jnp.float32),
+    )
+    tiles = config.attention_tiles(128, False, "decode", config.key_kind(preset))
+    ttgir = _triton_ttgir(triton_modules[0], tiles["num_warps"], tiles["num_stages"])
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\]", ttgir, re.M))
+    byte_loads = re.findall(r"tt\.load [^:]*: tensor<(\d+)x(\d+)x!tt\.ptr<i8>, (#\w+)>", ttgir)
+    wide = [(rows, cols, enc) for rows, cols, enc in byte_loads if int(cols) >= 16]
+    assert wide, "no slot-field byte loads found"
+    for rows, cols, enc in wide:
+        per_thread = [int(x) for x in layouts[enc].split(",")]
+        assert per_thread[-1] >= 2, f"tensor<{rows}x{cols}xi8> loaded {per_thread} per thread ({enc})"
+    moved = [line for line in ttgir.splitlines() if "convert_layout" in line and "!tt.ptr<" in line]
+    assert not moved, moved[:2]

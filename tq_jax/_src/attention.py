@@ -19,22 +19,41 @@ from jax import lax
 import tq_spec
 from tq_spec.dispatch import DispatchProblem, select_path
 
+from . import config
 from . import kernel_math as km
-from .cache_access import CacheWords, WordFields, needs_word_view, to_word_view
-from .decode import DecodeConfig, decode_partials, merge_partials
-from .extend import ExtendConfig, extend_attention
+from .attention_kernel import AttentionConfig
+from .cache_access import CacheWords, needs_word_view, to_word_view
+from .decode import decode_partials, merge_partials
+from .extend import extend_attention
 from .inputs import array, index_array, not_differentiable, validate_values
-from .kv_tiles import TileSpec
+from .kv_tiles import TileSpec, key_pair_tables
 from .params import resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
 
-# Decode programs to aim for (about two per SM of an H100/H200); the split
-# count is derived from it and the static shapes, never from data.
-_TARGET_DECODE_PROGRAMS = 264
-_MAX_SPLITS = 32
-# Cap on the decode path's float32 partial buffers: a forced decode path on a
-# long prefill (q_len >> 1) gets fewer splits rather than gigabytes of partials.
-_MAX_PARTIAL_BYTES = 256 * 2**20
+try:
+    from jax.core import Tracer as _Tracer
+except ImportError:  # pragma: no cover - newer jax keeps it private
+    from jax._src.core import Tracer as _Tracer
+
+
+# Device copies of the default rotation and codebook per (preset, head_dim):
+# an eager call otherwise copies the D x D rotation to the device every time
+# (tens of microseconds of host time). Only concrete arrays are kept: under a
+# trace `resolve` returns tracers, which must never outlive their trace.
+_DEFAULT_TABLES: dict = {}
+
+
+def _kernel_tables(preset, head_dim: int, rotation, codebook):
+    """``(rotation, centroids)`` for the kernels (None, None for non-mse presets); see `resolve`."""
+    default = rotation is None and codebook is None
+    key = (preset.name, head_dim)
+    if default and key in _DEFAULT_TABLES:
+        return _DEFAULT_TABLES[key]
+    kp = resolve(preset, head_dim, rotation, codebook)
+    out = (kp.rotation, kp.centroids)
+    if default and not any(isinstance(x, _Tracer) for x in out):
+        _DEFAULT_TABLES[key] = out
+    return out
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale=None,
@@ -103,9 +122,9 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
         block_size=bs, preset=lay.preset, sliding_window=sliding_window,
     )
     chosen = select_path(problem, path)
-    kp = resolve(lay.preset, d, rotation, codebook)
+    rot, cents = _kernel_tables(lay.preset, d, rotation, codebook)
     return _paged_attention(
-        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, kp.rotation, kp.centroids,
+        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rot, cents,
         preset_name=lay.preset.name, scale=float(1.0 / math.sqrt(d) if scale is None else scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
@@ -144,35 +163,6 @@ def attention_compute_dtype(query_dtype) -> str:
     return jnp.dtype(query_dtype).name
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int,
-                       partial_bytes_per_split: int) -> int:
-    """Static split count for the decode path: enough programs to fill the GPU.
-
-    At most one split per key tile of the longest possible context, at most
-    `_MAX_SPLITS`, and few enough that the partials stay under `_MAX_PARTIAL_BYTES`.
-    """
-    tiles = max(1, km.cdiv(max_context, block_n))
-    want = km.cdiv(_TARGET_DECODE_PROGRAMS, max(1, num_seqs * num_kv_heads))
-    fits = max(1, _MAX_PARTIAL_BYTES // max(1, partial_bytes_per_split))
-    return int(max(1, min(want, tiles, _MAX_SPLITS, fits)))
-
-
-def tile_spec(lay, cache_shape, *, word_view: bool, interpret: bool) -> TileSpec:
-    """Tile geometry shared by both paths: padded head dim and keys per tile."""
-    d = lay.head_dim
-    dp = max(32, km.next_pow2(d))
-    # Keep a K or V tile plus the accumulator within a few thousand elements.
-    block_n = 32 if dp <= 128 else 16
-    return TileSpec(
-        lay=lay, fields=WordFields.of(lay), access=CacheWords(word_view),
-        block_size=int(cache_shape[1]), block_n=block_n, head_dim_padded=dp, ptx_div=not interpret,
-    )
-
-
-def _num_warps(rows: int, dp: int) -> int:
-    return 8 if rows * dp >= 16384 else 4
-
-
 def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
                          *, preset_name: str, scale: float, sliding_window, logits_soft_cap, path: str,
                          num_splits: int | None, interpret: bool | None, word_view: bool | None = None,
@@ -204,9 +194,9 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
 def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
             preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret, word_view,
             poison):
-    """The chosen path's kernels (+ the decode merge): ``[T, Hq, D]``, padding rows unspecified."""
+    """The chosen path's kernel (+ the decode merge): ``[T, Hq, D]``, padding rows unspecified."""
     t, hq, d = query.shape
-    hkv = kv_cache.shape[2]
+    n, page, hkv, _ = kv_cache.shape
     group = hq // hkv
     lay = tq_spec.layout(preset_name, d)
     cdt = attention_compute_dtype(query.dtype)
@@ -216,33 +206,33 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
                        precision=lax.Precision.HIGHEST)
     else:
         q = query
+    tables = None
+    if centroids is not None:
+        tables = key_pair_tables(centroids, lay.preset.key_bits, cdt, lay.preset.norm_correction)
     if word_view is None:
         word_view = needs_word_view(kv_cache.shape)
     cache = to_word_view(kv_cache) if word_view else kv_cache
-
+    if path not in ("decode", "extend"):
+        raise ValueError(f"path: expected 'decode' or 'extend' after dispatch, got {path!r}")
+    d_pad = config.padded_head_dim(d)
+    tiles = config.attention_tiles(d_pad, interpret, path, config.key_kind(lay.preset))
+    spec = TileSpec(
+        lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
+        max_blocks=int(block_table.shape[1]), block_n=tiles["block_n"], head_dim_padded=d_pad,
+        compute_dtype=cdt, prefetch=tiles["prefetch"], ptx_div=not interpret,
+    )
+    common = dict(tiles=spec, num_q_heads=hq, group=group, scale=scale, window=sliding_window,
+                  soft_cap=logits_soft_cap, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     if path == "decode":
-        rows = max(16, km.next_pow2(group))
-        spec = tile_spec(lay, kv_cache.shape, word_view=word_view, interpret=interpret)
-        ns = num_splits or default_num_splits(
-            block_table.shape[0], hkv, block_table.shape[1] * kv_cache.shape[1], spec.block_n,
-            partial_bytes_per_split=t * hkv * rows * (spec.head_dim_padded + 2) * 4)
-        cfg = DecodeConfig(
-            tiles=spec, num_q_heads=hq, group=group, group_rows=rows, num_splits=int(ns), scale=scale,
-            window=sliding_window, soft_cap=logits_soft_cap, compute_dtype=cdt,
-            num_warps=_num_warps(rows, spec.head_dim_padded),
-        )
-        acc, m, l = decode_partials(cfg, q, cache, block_table, seq_lens, query_start_loc, centroids,
+        ns = num_splits or config.decode_num_splits(
+            num_seqs=block_table.shape[0], num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, head_dim=d,
+            max_context=block_table.shape[1] * page, block_n=spec.block_n, interpret=interpret,
+            programs_per_sm=tiles["programs_per_sm"])
+        cfg = AttentionConfig(block_m=config.decode_block_m(group), split_kv=True, num_splits=int(ns), **common)
+        acc, m, l = decode_partials(cfg, q, cache, block_table, seq_lens, query_start_loc, tables,
                                     interpret=interpret, poison=poison)
-        return merge_partials(acc, m, l, group=group, head_dim=d, sinks=sinks, out_dtype=query.dtype)
-    if path == "extend":
-        gp = km.next_pow2(group)
-        block_q = max(1, 32 // gp)
-        spec = tile_spec(lay, kv_cache.shape, word_view=word_view, interpret=interpret)
-        cfg = ExtendConfig(
-            tiles=spec, num_q_heads=hq, group=group, group_pow2=gp, block_q=block_q, scale=scale,
-            window=sliding_window, soft_cap=logits_soft_cap, compute_dtype=cdt,
-            num_warps=_num_warps(block_q * gp, spec.head_dim_padded),
-        )
-        return extend_attention(cfg, q, cache, block_table, seq_lens, query_start_loc, centroids, sinks,
-                                out_dtype=query.dtype, interpret=interpret, poison=poison)
-    raise ValueError(f"path: expected 'decode' or 'extend' after dispatch, got {path!r}")
+        return merge_partials(acc, m, l, sinks=sinks, out_dtype=query.dtype)
+    cfg = AttentionConfig(block_m=max(tiles["extend_block_m"], km.next_pow2(group)), split_kv=False,
+                          num_splits=1, **common)
+    return extend_attention(cfg, q, cache, block_table, seq_lens, query_start_loc, tables, sinks,
+                            out_dtype=query.dtype, interpret=interpret, poison=poison)

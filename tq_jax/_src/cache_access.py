@@ -1,9 +1,13 @@
-"""How kernels address the paged cache: 16-bit words over a uint8 or uint16 view.
+"""How kernels address the paged cache: over a uint8 or uint16 view.
 
 Every field of a slot starts at an even byte and is a whole number of 16-bit
 little-endian words (slot_bytes is even; code streams of 3/4/8-bit elements
-at the supported head dims are multiples of 2 bytes; fp16 fields are words), so
-the kernels read and write words only.
+at the supported head dims are multiples of 2 bytes; fp16 fields are words).
+The store writes words (`CacheWords.store`). The attention kernels read a
+field as one contiguous byte tile per key (`CacheWords.load_bytes`): lanes
+along the slot, so Triton vectorises the loads to the alignment the slot
+stride allows and a warp reads contiguous memory; codes are split out in
+registers (`kernel_math.codes_from_bytes`).
 
 Why two views: the Pallas Triton lowering addresses an array with 32-bit
 element offsets whenever the array holds at most 2**32 bytes, and Triton's
@@ -11,7 +15,9 @@ pointer arithmetic sign-extends 32-bit offsets, so byte offsets in
 [2**31, 2**32) of a uint8 array would wrap. For caches in that size range the
 wrapper hands the kernel a uint16 view (element offsets < 2**31); below it
 (32-bit offsets are exact) and above it (the lowering switches to 64-bit
-offsets) the kernel reads the uint8 cache directly, which costs no copy.
+offsets) the kernel reads the uint8 cache directly, which costs no copy. (XLA
+implements the uint16 view as a copy of the cache, the CPU compiler shows: a
+fusion of shifts, not a bitcast, so that size range pays a cache copy per call.)
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
 from tq_spec import Layout
+
+from . import kernel_math as km
 
 _I32_SAFE_BYTES = 2**31
 _I64_OFFSET_BYTES = 2**32  # the lowering uses 64-bit offsets above this size
@@ -98,6 +106,56 @@ class CacheWords:
         lo = ref[blk, off, head, 2 * word].astype(jnp.int32)
         hi = ref[blk, off, head, 2 * word + 1].astype(jnp.int32)
         return lo | (hi << 8)
+
+    def load_bytes(self, ref, blk, off, head, byte0: int, width: int, count: int, mask):
+        """uint8 ``[BN, width]``: bytes ``byte0 + j`` of the slots ``(blk, off, head)``.
+
+        Lanes ``j >= count`` and keys with ``mask [BN]`` False read nothing and
+        come back 0. ``byte0`` and ``count`` are even (fields are whole words).
+        On the uint8 view the lanes read consecutive bytes of one slot, so
+        Triton issues loads as wide as the slot alignment it can prove (2 bytes
+        for 134/102/118-byte slots, 4 for 196, 16 for 512) and a warp reads
+        contiguous memory; each byte is read once.
+        """
+        blk2, off2, m = blk[:, None], off[:, None], mask[:, None]
+        if not self.word_view:
+            j = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+            if count < width:
+                m = m & (j < count)
+            return pltriton.load(ref.at[blk2, off2, head, byte0 + j], mask=m, other=0)
+        w = lax.broadcasted_iota(jnp.int32, (1, width // 2), 1)
+        if count < width:
+            m = m & (w < count // 2)
+        words = pltriton.load(ref.at[blk2, off2, head, byte0 // 2 + w], mask=m, other=0).astype(jnp.int32)
+        return km.interleave(words & 0xFF, lax.shift_right_logical(words, 8)).astype(jnp.uint8)
+
+    def load_byte_planes(self, ref, blk, off, head, byte0: int, groups: int, count: int, mask):
+        """Three uint8 ``[BN, groups]`` planes: bytes ``byte0 + 3g + i`` (i = 0, 1, 2) of each slot.
+
+        For 3-bit streams (8 codes in 3 bytes): the planes are strided byte
+        reads, but a warp still covers a slot's contiguous bytes. Groups
+        ``g >= count`` and keys with `mask` False read nothing (0).
+        """
+        blk2, off2, m = blk[:, None], off[:, None], mask[:, None]
+        g = lax.broadcasted_iota(jnp.int32, (1, groups), 1)
+        if count < groups:
+            m = m & (g < count)
+        planes = []
+        for i in range(3):
+            byte = byte0 + 3 * g + i
+            if not self.word_view:
+                planes.append(pltriton.load(ref.at[blk2, off2, head, byte], mask=m, other=0))
+            else:
+                w = pltriton.load(ref.at[blk2, off2, head, byte >> 1], mask=m, other=0).astype(jnp.int32)
+                planes.append((lax.shift_right_logical(w, (byte & 1) * 8) & 0xFF).astype(jnp.uint8))
+        return tuple(planes)
+
+    def load_half(self, ref, blk, off, head, byte: int, mask):
+        """int32 ``[BN]``: the 16-bit field at (even) `byte` of each slot; 0 where `mask` is False."""
+        if self.word_view:
+            return pltriton.load(ref.at[blk, off, head, byte // 2], mask=mask, other=0).astype(jnp.int32)
+        pair = self.load_bytes(ref, blk, off, head, byte, 2, 2, mask)  # one 2-byte load per key
+        return km.bytes_to_words(pair).reshape(blk.shape)
 
     def store(self, ref, blk, off, head, word, value, mask=None):
         """Writes int32 words (low 16 bits) at `word`; lanes with mask False write nothing.

@@ -155,6 +155,80 @@ def pack_code_groups(codes, bits: int):
     return words
 
 
+def interleave(a, b):
+    """``[..., W]`` x 2 -> ``[..., 2W]`` with `a` in the even and `b` in the odd columns.
+
+    `jnp.stack` on the last axis lowers to ``tt.join``, which adds the new axis
+    inside one thread's registers, so the reshape moves no data (tq_torch's
+    ``_interleave`` is the same join + reshape).
+    """
+    *lead, w = a.shape
+    return jnp.stack([a, b], axis=-1).reshape(*lead, 2 * w)
+
+
+def interleave_fields(fields):
+    """Element order from ``2**k`` bit fields: ``fields[j] [..., G]`` holds element ``j`` of each
+    group of ``n = len(fields)`` consecutive elements -> ``[..., n * G]``.
+
+    Recursive even/odd interleave: the even-numbered fields make the even
+    columns, so no transpose is needed.
+    """
+    if len(fields) == 1:
+        return fields[0]
+    return interleave(interleave_fields(fields[0::2]), interleave_fields(fields[1::2]))
+
+
+def bytes_to_words(x):
+    """Little-endian byte pairs ``[..., 2W]`` (uint8/int32) -> int32 16-bit words ``[..., W]``.
+
+    The pair axis stays inside a thread (``tt.split``), so this is two
+    register operations per word.
+    """
+    *lead, n = x.shape
+    lo, hi = jnp.unstack(x.astype(jnp.int32).reshape(*lead, n // 2, 2), axis=-1)
+    return lo | (hi << 8)
+
+
+def codes_from_bytes(x, bits: int):
+    """int32 codes ``[..., 8 * n / bits]`` in element order from packed code bytes ``[..., n]``.
+
+    ``bits`` 8 returns the bytes; 4: low nibble = even element, one byte gives
+    two codes (a join, no gather).
+    """
+    x = x.astype(jnp.int32)
+    if bits == 8:
+        return x
+    if bits == 4:
+        return interleave(x & 0xF, lax.shift_right_logical(x, 4))
+    raise ValueError(f"codes_from_bytes: 4 or 8 bits, got {bits}")
+
+
+def codes_from_byte_planes(a, b, c):
+    """3-bit codes ``[..., 8G]`` from the three byte planes of groups of 8 codes (3 bytes each).
+
+    ``a, b, c [..., G]``: bytes ``3g``, ``3g + 1``, ``3g + 2`` of the field;
+    together a 24-bit little-endian word whose field ``j`` is element ``8g + j``.
+    """
+    w = a.astype(jnp.int32) | (b.astype(jnp.int32) << 8) | (c.astype(jnp.int32) << 16)
+    return interleave_fields([lax.shift_right_logical(w, 3 * j) & 7 for j in range(8)])
+
+
+def fp8_bytes_to_float(x, dtype):
+    """fp8 e4m3fn bytes (uint8) -> `dtype` through a same-width bitcast and a hardware convert.
+
+    Exact for every byte (e4m3fn fits fp16, bf16 and fp32); 0x7F/0xFF are NaN.
+    One conversion per element instead of `fp8_e4m3fn_decode`'s integer recipe.
+    """
+    return lax.bitcast_convert_type(x.astype(jnp.uint8), jnp.float8_e4m3fn).astype(dtype)
+
+
+def half_words_to_float(word, dtype_name: str, dtype):
+    """16-bit patterns (int32) read as fp16/bf16 (`dtype_name`), converted to `dtype`."""
+    half = jnp.float16 if dtype_name == "float16" else jnp.bfloat16
+    x = lax.bitcast_convert_type(word.astype(jnp.uint16), half)
+    return x if jnp.dtype(dtype) == jnp.dtype(half) else x.astype(dtype)
+
+
 def ieee_div(a, b, *, use_ptx: bool):
     """Correctly rounded float32 ``a / b`` on every backend.
 
@@ -178,6 +252,21 @@ def ieee_div(a, b, *, use_ptx: bool):
         result_shape_dtypes=[jax.ShapeDtypeStruct(vec, jnp.float32)],
     )
     return q if shape else q.reshape(())
+
+
+def div_nonneg(x, c: int):
+    """``x // c`` for non-negative int32 `x` and a static ``c >= 1``: a shift when ``c`` is a power
+    of two (jnp's floor division of signed integers costs a few extra instructions per element)."""
+    if c & (c - 1) == 0:
+        return lax.shift_right_logical(x, jnp.asarray(c.bit_length() - 1, x.dtype))
+    return lax.div(x, jnp.asarray(c, x.dtype))
+
+
+def rem_nonneg(x, c: int):
+    """``x % c`` for non-negative int32 `x` and a static ``c >= 1`` (a mask for powers of two)."""
+    if c & (c - 1) == 0:
+        return x & jnp.asarray(c - 1, x.dtype)
+    return lax.rem(x, jnp.asarray(c, x.dtype))
 
 
 def next_pow2(n: int) -> int:

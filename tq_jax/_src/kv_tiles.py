@@ -1,141 +1,338 @@
-"""In-kernel reading of key/value tiles from the paged, quantized cache.
+"""In-kernel helpers shared by the attention kernel: page addressing, K/V tile fetch
+and decode, and the online-softmax loop over a key range (tq_torch's ``kv_tiles``
+translated to Pallas).
 
-Shared by the decode and extend kernels. A tile is `block_n` consecutive token
-positions of one sequence and one kv head. Addresses are always computed from
-positions clamped into ``[0, seq_len)``, so a program only ever reads slots of
-pages its sequence's block table names (never a page past ``seq_len``, never a
-block-table entry the sequence does not use). Positions outside the range the
-caller may attend are then zeroed with `jnp.where` (not multiplied by 0), so
-NaN/Inf garbage in out-of-window or unused slots cannot reach the output.
+Conventions:
 
-Keys come back in *scoring space*: for mse presets ``n * c_hat[code]`` in the
-rotated basis (pair with ``q_rot = Pi @ q``), otherwise the key itself.
+* A tile of ``block_m`` rows serves the query heads of one GQA group (and,
+  when it fits, several query tokens): row ``r`` is token ``r // G``, group
+  head ``r % G``. Every K/V element is decoded once per tile and used by all
+  its rows through two dots (``q @ k^T``, ``p @ v``).
+* Packed fields are read as contiguous bytes of one slot per key, lanes along
+  the slot (`CacheWords.load_bytes`), so each byte is read once and a warp
+  reads contiguous memory; codes are split out in registers (joins, no
+  gathers). 3-bit streams go through three byte planes.
+* The key loop is software-pipelined by hand (``prefetch``): while tile ``i``
+  is computed, the raw bytes of tile ``i + 1`` and the block ids of tile
+  ``i + 2`` are in flight, carried in the `lax.fori_loop` state. (Byte loads
+  that still need a split into codes are not something Triton's pipeliner
+  stages; ``num_stages`` > 1 is left to the tile table.)
+* Loads of keys outside ``[k_lo, k_hi)``, and of keys whose block id is
+  outside ``[0, N)``, are masked: pages the sequence does not own are never
+  touched and those keys read as 0 and are not visible. Scores of keys a row
+  may not see become -inf with `jnp.where` (not a multiply), values enter
+  ``P @ V`` as ``(P * scale) @ codes + P @ zero`` with ``P`` zeroed by
+  `jnp.where` on the visibility, so NaN/Inf garbage cannot reach a row that
+  does not see it.
+* Keys are scored in the rotated basis for mse presets: ``s = scale *
+  factor * (q_rot . c[code])`` with ``factor = norm / ||c||`` (norm
+  correction) or ``norm``, one multiply per key after the dot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as pltriton
 
 from tq_spec import Layout
 
 from . import kernel_math as km
-from .cache_access import CacheWords, WordFields
+from .cache_access import CacheWords
 
 
 @dataclass(frozen=True)
 class TileSpec:
-    """Static description of the tiles one kernel reads."""
+    """Static description of the key/value tiles one kernel reads."""
 
     lay: Layout
-    fields: WordFields
     access: CacheWords
     block_size: int  # P, tokens per page
-    block_n: int  # tokens per tile (power of two >= 16)
-    head_dim_padded: int  # power of two >= head_dim
+    num_blocks: int  # N, pages in the cache (a block id outside [0, N) masks its keys)
+    max_blocks: int  # block-table columns per sequence
+    block_n: int  # keys per tile (power of two >= 16)
+    head_dim_padded: int  # power of two >= head_dim (and >= 32)
+    compute_dtype: str  # dtype of the dot operands (the query dtype)
+    prefetch: bool  # hand-pipelined key loop
     ptx_div: bool  # IEEE division through PTX (GPU lowering); plain `/` in interpret mode
 
     @property
     def head_dim(self) -> int:
         return self.lay.head_dim
 
+    def field_bits(self, part: str) -> int:
+        """Bits per stored element of the key or value field: 16 raw, 8 fp8, else the code width."""
+        p = self.lay.preset
+        if part == "key":
+            return {"raw": 16, "fp8": 8}.get(p.key_format, p.key_bits)
+        return 16 if p.value_format == "raw" else p.value_bits
 
-def load_kv_tile(spec: TileSpec, cache_ref, bt_ref, cb_ref, b, kv_head, start, seq_len, keep_key):
-    """Dequantized ``(K, V)`` float32 ``[block_n, head_dim_padded]`` for positions ``start + i``.
 
-    Args:
-      cb_ref: centroid table ref (mse presets) or None.
-      b, kv_head, start, seq_len: int32 scalars; requires ``seq_len >= 1``.
-      keep_key: bool ``[block_n]``: positions some query row may attend; every
-        other row of the tile, and lanes ``>= head_dim``, are exactly 0.
+class RawTile(NamedTuple):
+    """The loaded, not yet decoded bytes of one K/V tile (the prefetch carry)."""
+
+    key: tuple  # (bytes [BN, Dp * bits / 8],) or three 3-bit byte planes [BN, Dp / 8]
+    key_norm: object  # int32 [BN] fp16 bits, or None
+    value: tuple
+    value_scale: object  # int32 [BN] fp16 bits, or None
+    value_zero: object
+
+
+def load_block_ids(spec: TileSpec, bt_ref, b, keys, in_range):
+    """Block ids ``[BN]`` of key positions `keys` of sequence `b`; -1 where the key is masked.
+
+    Keys outside `in_range` read nothing. A block id outside ``[0, N)`` (bad
+    metadata, or a dequant workspace's unused entry) also comes back as -1:
+    the caller masks that key, so no load leaves the cache (the metadata
+    guard tq_torch has too).
     """
-    lay, f, acc = spec.lay, spec.fields, spec.access
+    col = jnp.minimum(km.div_nonneg(keys, spec.block_size), spec.max_blocks - 1)
+    blk = pltriton.load(bt_ref.at[b, col], mask=in_range, other=-1)
+    return jnp.where((blk >= 0) & (blk < spec.num_blocks), blk, -1)
+
+
+def fetch_kv_tile(spec: TileSpec, cache_ref, blk, keys, kv_head, valid) -> RawTile:
+    """Issues every load of the K/V tile of positions `keys` (block ids `blk`, keys with `valid`
+    False read nothing); nothing is decoded, so the loads stay in flight."""
+    lay, acc = spec.lay, spec.access
     p = lay.preset
-    bn, dp, d = spec.block_n, spec.head_dim_padded, spec.head_dim
-    pos = start + lax.broadcasted_iota(jnp.int32, (bn,), 0)
-    pos = jnp.clip(pos, 0, seq_len - 1)
-    blk = bt_ref[b, pos // spec.block_size]
-    off = pos % spec.block_size
-    blk2, off2 = blk[:, None], off[:, None]
-    lane = lax.broadcasted_iota(jnp.int32, (1, dp), 1)
-    lane_c = jnp.minimum(lane, d - 1)
-    keep = keep_key[:, None] & (lane < d)
+    d, dp = spec.head_dim, spec.head_dim_padded
+    off = km.rem_nonneg(keys, spec.block_size)
 
-    def words(word):
-        return acc.load(cache_ref, blk2, off2, kv_head, word)
+    def field(byte0, bits):
+        if bits == 3:
+            return acc.load_byte_planes(cache_ref, blk, off, kv_head, byte0, dp // 8, d // 8, valid)
+        return (acc.load_bytes(cache_ref, blk, off, kv_head, byte0, dp * bits // 8, d * bits // 8, valid),)
 
-    def token_field(word):  # one 16-bit field per token -> [bn]
-        return acc.load(cache_ref, blk, off, kv_head, word)
+    def half(byte):
+        return None if byte is None else acc.load_half(cache_ref, blk, off, kv_head, byte, valid)
 
-    def codes(word0, bits):
-        bit = lane_c * bits
-        lo = words(word0 + (bit >> 4))
-        hi = words(word0 + (bit >> 4) + 1) if km.codes_straddle_words(bits) else None
-        return km.unpack_codes(lo, hi, lane_c, bits)
-
-    if p.key_format == "raw":
-        k = km.half_bits_to_f32(words(f.key + lane_c), p.raw_dtype)
-        v = km.half_bits_to_f32(words(f.value + lane_c), p.raw_dtype)
-    else:
-        if p.key_format == "fp8":
-            w = words(f.key + (lane_c >> 1))
-            byte = lax.shift_right_logical(w, (lane_c & 1) * 8) & 0xFF
-            k = km.fp8_e4m3fn_decode(byte)
-        else:
-            c = cb_ref[codes(f.key, p.key_bits)]
-            norm = km.half_bits_to_f32(token_field(f.key_norm))
-            if p.norm_correction:
-                sq = jnp.sum(jnp.where(keep, c * c, 0.0), axis=1)
-                factor = km.ieee_div(norm, jnp.sqrt(jnp.where(sq > 0.0, sq, 1.0)), use_ptx=spec.ptx_div)
-            else:
-                factor = norm
-            k = c * factor[:, None]
-        scale = km.half_bits_to_f32(token_field(f.value_scale))
-        zero = km.half_bits_to_f32(token_field(f.value_zero))
-        vc = codes(f.value, p.value_bits).astype(jnp.float32)
-        v = vc * scale[:, None] + zero[:, None]
-    return jnp.where(keep, k, 0.0), jnp.where(keep, v, 0.0)
+    key = field(lay.key_offset, spec.field_bits("key"))
+    norm = half(lay.key_norm_offset) if p.key_format == "mse" else None
+    value = field(lay.value_offset, spec.field_bits("value"))
+    uniform = p.value_format != "raw"
+    return RawTile(key, norm, value, half(lay.value_scale_offset) if uniform else None,
+                   half(lay.value_zero_offset) if uniform else None)
 
 
-def online_softmax_step(s, valid, v, m, l, acc, compute_dtype):
-    """One key tile of the streaming softmax (float32 state).
+def _codes(raw_field, bits):
+    if bits == 3:
+        return km.codes_from_byte_planes(*raw_field)
+    return km.codes_from_bytes(raw_field[0], bits)
 
-    Args:
-      s: float32 ``[rows, block_n]`` scaled (and soft-capped) logits.
-      valid: bool, same shape: the (row, key) pairs that are visible.
-      v: ``[block_n, Dp]`` values (already zero where no row may look).
-      m, l: float32 ``[rows]`` running max and denominator; acc float32 ``[rows, Dp]``.
+
+def key_pair_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
+    """Lookup tables of the mse key decode, indexed by a pair of codes (plain jnp, outside the kernel).
+
+    Index ``i`` (``2 * bits`` bits) holds the codes ``lo = i & (2**bits - 1)``
+    (even element) and ``hi = i >> bits``: for 4-bit keys a whole byte, for
+    3-bit keys a 6-bit field of the 24-bit group word. uint32 ``[3, 4**bits]``:
+
+    * row 0: 16-bit compute dtypes: ``bits(c[lo]) | bits(c[hi]) << 16`` in the
+      compute dtype (one gather decodes two elements); float32: ``bits(c[lo])``;
+    * row 1: float32 only: ``bits(c[hi])`` (else 0);
+    * row 2: ``c[lo]**2 + c[hi]**2`` as float32 bits (norm correction; else 0).
+
+    The rounding of a centroid to the compute dtype is the one the dot would
+    apply, so the scores are those of ``q . c[code]`` with rounded operands.
     """
-    s = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    # A row that has seen no visible key keeps m = -inf; shift by 0 instead so
-    # that exp() sees -inf - 0 = -inf (-> 0), never -inf - -inf (NaN).
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    prob = jnp.exp(s - m_safe[:, None])
-    l = l * alpha + jnp.sum(prob, axis=1)
-    pv = lax.dot_general(
-        prob.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
-        precision=_precision(compute_dtype), preferred_element_type=jnp.float32,
-    )
-    return m_new, l, acc * alpha[:, None] + pv
+    n = 1 << (2 * bits)
+    i = jnp.arange(n, dtype=jnp.int32)
+    lo = centroids[i & ((1 << bits) - 1)].astype(jnp.float32)
+    hi = centroids[i >> bits].astype(jnp.float32)
+    zero = jnp.zeros((n,), jnp.uint32)
+    if jnp.dtype(compute_dtype).itemsize == 2:
+        def half(x):
+            return lax.bitcast_convert_type(x.astype(compute_dtype), jnp.uint16).astype(jnp.uint32)
+
+        rows = [half(lo) | (half(hi) << 16), zero]
+    else:
+        rows = [lax.bitcast_convert_type(lo, jnp.uint32), lax.bitcast_convert_type(hi, jnp.uint32)]
+    rows.append(lax.bitcast_convert_type(lo * lo + hi * hi, jnp.uint32) if norm_correction else zero)
+    return jnp.stack(rows)
 
 
-def scores(q, k, *, scale: float, soft_cap: float | None, compute_dtype):
-    """``scale * q @ k^T`` in float32 (then ``cap * tanh(s / cap)``); q ``[rows, Dp]``, k ``[bn, Dp]``."""
-    s = lax.dot_general(
-        q.astype(compute_dtype), k.astype(compute_dtype), (((1,), (1,)), ((), ())),
-        precision=_precision(compute_dtype), preferred_element_type=jnp.float32,
-    )
-    s = s * scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    return s
+def _pair_indices(raw_field, bits):
+    """Code-pair indices ``[BN, Dp/2]`` in element order (pair ``j`` = elements ``2j, 2j+1``).
+
+    4-bit keys: the bytes themselves. 3-bit keys: the four 6-bit fields of
+    each 24-bit group word, interleaved (integer joins; the lookup that
+    follows yields floats in a plain layout).
+    """
+    if bits == 4:
+        return raw_field[0].astype(jnp.int32)
+    a, b, c = (x.astype(jnp.int32) for x in raw_field)
+    w = a | (b << 8) | (c << 16)
+    return km.interleave_fields([lax.shift_right_logical(w, 6 * j) & 63 for j in range(4)])
 
 
-def _precision(compute_dtype):
+def key_parts(spec: TileSpec) -> int:
+    """How many column parts the key tile comes in: 2 (even, odd elements) for mse keys, else 1."""
+    return 2 if spec.lay.preset.key_format == "mse" else 1
+
+
+def load_query_parts(spec: TileSpec, q_ref, t_idx, h_idx, row_valid):
+    """Query rows as dot operands matching `decode_key_tile`'s parts (0 in padding rows / lanes).
+
+    ``t_idx, h_idx [M, 1]`` (unclamped; masked rows read nothing). mse keys
+    come as even and odd elements (``[M, Dp/2]`` each: the split dot), so the
+    query is read the same way; otherwise one ``[M, Dp]`` part.
+    """
+    dp, d = spec.head_dim_padded, spec.head_dim
+    parts = key_parts(spec)
+    lane = lax.broadcasted_iota(jnp.int32, (1, dp // parts), 1)
+    out = []
+    for j in range(parts):
+        col = parts * lane + j
+        q = pltriton.load(q_ref.at[t_idx, h_idx, col], mask=row_valid[:, None] & (col < d), other=0)
+        out.append(q.astype(spec.compute_dtype))
+    return tuple(out)
+
+
+def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref):
+    """Keys in scoring space: ``(parts, factor)``; score = factor * sum_j (q_j . parts_j).
+
+    Raw and fp8 keys: one part ``[BN, Dp]`` in the compute dtype, factor None.
+    mse keys: the centroids (rounded to the compute dtype) of the even and of
+    the odd elements, ``[BN, Dp/2]`` each, looked up two per gather in
+    `key_pair_tables` (1 KB, L1-resident); the two halves feed two dots (the
+    "split dot"), so no float tile is ever interleaved. factor is ``norm /
+    ||c||`` (norm correction) or ``norm``. Lanes ``>= head_dim`` meet zero
+    query lanes (and are left out of the norm).
+    """
+    p = spec.lay.preset
+    cdt = spec.compute_dtype
+    if p.key_format == "raw":
+        return (km.half_words_to_float(km.bytes_to_words(raw.key[0]), p.raw_dtype, cdt),), None
+    if p.key_format == "fp8":
+        return (km.fp8_bytes_to_float(raw.key[0], cdt),), None
+    idx = _pair_indices(raw.key, p.key_bits)
+    if jnp.dtype(cdt).itemsize == 2:
+        pair = lax.bitcast_convert_type(tab_ref[0, idx], jnp.int32)
+        name = jnp.dtype(cdt).name
+        parts = (km.half_words_to_float(pair & 0xFFFF, name, cdt),
+                 km.half_words_to_float(lax.shift_right_logical(pair, 16), name, cdt))
+    else:
+        parts = (lax.bitcast_convert_type(tab_ref[0, idx], jnp.float32),
+                 lax.bitcast_convert_type(tab_ref[1, idx], jnp.float32))
+    norm = km.half_words_to_float(raw.key_norm, "float16", jnp.float32)
+    if not p.norm_correction:
+        return parts, norm
+    sq2 = lax.bitcast_convert_type(tab_ref[2, idx], jnp.float32)
+    if spec.head_dim_padded != spec.head_dim:  # pairs past the head hold code 0
+        j = lax.broadcasted_iota(jnp.int32, sq2.shape, 1)
+        sq2 = jnp.where(j < spec.head_dim // 2, sq2, 0.0)
+    sq = jnp.sum(sq2, axis=1)
+    return parts, km.ieee_div(norm, jnp.sqrt(jnp.where(sq > 0.0, sq, 1.0)), use_ptx=spec.ptx_div)
+
+
+def decode_value_tile(spec: TileSpec, raw: RawTile):
+    """Values as ``(v [BN, Dp] compute dtype, scale [BN], zero [BN])``, value = v * scale + zero.
+
+    Uniform codes come back as the integer codes (exact in any dot dtype) and
+    the fp16 scale/zero as float32, so the caller folds the scale into P and
+    the zero into one row sum. Raw values come back as they are, scale and
+    zero None. Masked keys read 0 everywhere.
+    """
+    p = spec.lay.preset
+    cdt = spec.compute_dtype
+    if p.value_format == "raw":
+        return km.half_words_to_float(km.bytes_to_words(raw.value[0]), p.raw_dtype, cdt), None, None
+    v = _codes(raw.value, p.value_bits).astype(cdt)
+    scale = km.half_words_to_float(raw.value_scale, "float16", jnp.float32)
+    zero = km.half_words_to_float(raw.value_zero, "float16", jnp.float32)
+    return v, scale, zero
+
+
+def _dot(a, b, contract_b: int, compute_dtype):
     # float32 operands must not silently become TF32 on the GPU: HIGHEST makes
     # the Triton lowering emit an IEEE fp32 dot.
-    return lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
+    prec = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
+    return lax.dot_general(a.astype(compute_dtype), b.astype(compute_dtype), (((1,), (contract_b,)), ((), ())),
+                           precision=prec, preferred_element_type=jnp.float32)
+
+
+def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_lo, k_hi, *, cache_ref, bt_ref, tab_ref, b,
+                     kv_head, scale: float, soft_cap: float | None, window: int | None):
+    """Online softmax of query rows over keys ``[k_lo, k_hi)`` of sequence `b`.
+
+    ``q``: `load_query_parts` (a tuple of compute-dtype ``[M, Dp / parts]``).
+
+    ``state = (m, l, acc)``: float32 ``[M]``, ``[M]``, ``[M, Dp]`` (natural-log
+    domain; ``m`` is -inf until a row sees a key). ``pos [M]``: each row's
+    absolute query position; key ``j`` is visible iff ``j <= pos`` (and
+    ``j > pos - window``). Returns the updated state, unnormalised.
+    """
+    bn = spec.block_n
+    cdt = spec.compute_dtype
+    lane = lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    n_tiles = km.div_nonneg(jnp.maximum(k_hi - k_lo, 0) + bn - 1, bn)
+
+    def block_ids(start):
+        keys = start + lane
+        return load_block_ids(spec, bt_ref, b, keys, keys < k_hi)
+
+    def fetch(blk, start):
+        return fetch_kv_tile(spec, cache_ref, blk, start + lane, kv_head, blk >= 0)
+
+    def compute(start, blk, raw, m, l, acc):
+        keys = start + lane
+        valid = blk >= 0  # in [k_lo, k_hi) with a block id inside the cache
+        ks, factor = decode_key_tile(spec, raw, tab_ref)
+        s = _dot(q[0], ks[0], 1, cdt)
+        for qj, kj in zip(q[1:], ks[1:]):
+            s = s + _dot(qj, kj, 1, cdt)
+        s = s * (scale if factor is None else (factor * scale)[None, :])
+        if soft_cap is not None:
+            # On the scaled logits, before masking (DESIGN.md section 3).
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        visible = valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
+        if window is not None:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # A row that has seen no visible key keeps m = -inf; shift by 0 instead
+        # so exp() sees -inf - 0 (-> 0), never -inf - -inf (NaN).
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        prob = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(prob, axis=1)
+        v, v_scale, v_zero = decode_value_tile(spec, raw)
+        if v_scale is None:
+            pv = _dot(prob, v, 0, cdt)  # prob is exactly 0 where a key is not visible
+        else:
+            # P @ (codes * scale + zero) = (P * scale) @ codes + P @ zero; `where`
+            # on the visibility, not the product alone: a scale or zero a row
+            # may not see (NaN/Inf) must not reach it as 0 * NaN.
+            pv = _dot(jnp.where(visible, prob * v_scale[None, :], 0.0), v, 0, cdt)
+            pv = pv + jnp.sum(jnp.where(visible, prob * v_zero[None, :], 0.0), axis=1)[:, None]
+        return m_new, l, acc * alpha[:, None] + pv
+
+    m, l, acc = state
+    if not spec.prefetch:
+        def body(i, carry):
+            m, l, acc = carry
+            start = k_lo + i * bn
+            blk = block_ids(start)
+            return compute(start, blk, fetch(blk, start), m, l, acc)
+
+        return lax.fori_loop(0, n_tiles, body, (m, l, acc))
+
+    def body_prefetch(i, carry):
+        m, l, acc, raw, blk, blk_next = carry
+        start = k_lo + i * bn
+        # Tile i+1's bytes (its block ids arrived during tile i-1) and tile
+        # i+2's block ids are in flight while tile i is computed.
+        raw_next = fetch(blk_next, start + bn)
+        blk_after = block_ids(start + 2 * bn)
+        m, l, acc = compute(start, blk, raw, m, l, acc)
+        return m, l, acc, raw_next, blk_next, blk_after
+
+    # Prologue: tile 0's bytes, tile 1's block ids (all masked when the range is empty).
+    blk0 = block_ids(k_lo)
+    init = (m, l, acc, fetch(blk0, k_lo), blk0, block_ids(k_lo + bn))
+    m, l, acc, *_ = lax.fori_loop(0, n_tiles, body_prefetch, init)
+    return m, l, acc

@@ -1,0 +1,123 @@
+"""Launch-time facts shared by the attention paths: tile settings per path and key kind,
+decode row tiles and split counts (tq_torch's ``config``, for the Pallas kernels).
+
+Everything here depends on static shapes only (no device data), so a jitted
+step compiles once per shape and XLA command buffers / CUDA graphs stay valid.
+"""
+
+from __future__ import annotations
+
+import jax
+
+import tq_spec
+
+from . import kernel_math as km
+
+# Interpret mode runs every program on the CPU: small tiles keep the tests
+# fast and still exercise multi-tile loops, partial tiles and page crossings.
+_INTERPRET_TILES = dict(block_n=16, extend_block_m=16, num_warps=4, num_stages=1, prefetch=True,
+                        programs_per_sm=4)
+# Cap on the decode path's float32 partials: a forced decode path on a long
+# prefill gets fewer splits rather than gigabytes of partials.
+_PARTIALS_BUDGET = 256 << 20
+_MAX_SPLITS = 64
+# SMs assumed when the lowering host has no GPU to ask (H100/H200: 132).
+_DEFAULT_SM_COUNT = 132
+
+# Tile settings per path and key kind at head_dim <= 128 (keys as tq_torch
+# names them: "mse4"/"mse3" codebook widths, "fp8", "raw"). Starting points:
+# tq_torch's H100 measurements, adjusted to what ptxas reports for these
+# kernels (sm_90a, Triton 3.6): mse decode at 64 keys per tile needs 255
+# registers and spills, at 32 it needs 215 (4-bit) / 237 (3-bit) and does
+# not; fp8 decode at 16 keys needs 122 (tq_torch caps it at 128 with
+# maxnreg, which Pallas cannot pass). Not yet measured on a GPU:
+# `.devwork/jax_tune.py` sweeps them.
+# `prefetch`: the hand-pipelined key loop (bytes of tile i+1 in flight in the
+# loop carry); raw 16-bit tiles (16-byte aligned slots) instead leave the
+# loads to Triton's pipeliner with `num_stages` (cp.async).
+_TILES_D128 = {
+    "decode": {
+        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
+        "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
+        "fp8": dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=8, prefetch=True),
+        "raw": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=False),
+    },
+    "extend": {
+        "mse4": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, prefetch=True),
+        "mse3": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, prefetch=True),
+        "fp8": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, prefetch=True),
+        "raw": dict(block_n=64, extend_block_m=128, num_warps=8, num_stages=2, prefetch=False),
+    },
+}
+# `TUNING_OVERRIDES[path]` replaces any setting, for tuning runs only (then
+# call `jax.clear_caches()`: the settings are baked into the jitted op).
+TUNING_OVERRIDES: dict = {"decode": {}, "extend": {}}
+
+
+def key_kind(preset) -> str:
+    """"mse4", "mse3", "fp8" or "raw": the key format as the tile table names it."""
+    p = tq_spec.get_preset(preset) if isinstance(preset, str) else preset
+    if p.key_format == "mse":
+        return f"mse{p.key_bits}"
+    return "fp8" if p.key_format == "fp8" else "raw"
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Register-tile width for a head: next power of two, at least 32 (tl.dot's minimum is 16;
+    32 keeps 3-bit planes (Dp / 8 groups) at >= 4 lanes)."""
+    return max(32, km.next_pow2(head_dim))
+
+
+def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
+    """Tile settings: keys per tile, extend row-tile height, warps, stages, prefetch, programs per SM.
+
+    Head dims above 128 keep smaller key tiles (registers); not tuned separately.
+    """
+    if interpret:
+        return dict(_INTERPRET_TILES)
+    tiles = dict(extend_block_m=64, programs_per_sm=4)
+    tiles.update(_TILES_D128[path][kind])
+    if d_pad > 128:
+        tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8)
+        if path == "extend":
+            tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
+    tiles.update(TUNING_OVERRIDES.get(path, {}))
+    return tiles
+
+
+def decode_block_m(group_size: int) -> int:
+    """Rows of a decode tile: the whole GQA group, padded to a power of two >= 16 (dot minimum).
+
+    The spare rows take the sequence's next query tokens, so a multi-token
+    decode step (q_len 2-8) reads each K/V byte once per tile, not per token.
+    """
+    return max(16, km.next_pow2(group_size))
+
+
+def sm_count() -> int:
+    """SMs of the first GPU if this process has one, else `_DEFAULT_SM_COUNT` (static)."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return _DEFAULT_SM_COUNT
+    return int(getattr(dev, "core_count", 0) or _DEFAULT_SM_COUNT)
+
+
+def decode_num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int, head_dim: int,
+                      max_context: int, block_n: int, interpret: bool, programs_per_sm: int = 4) -> int:
+    """Splits of the decode path, from static shapes only.
+
+    Enough (sequence, kv head, split) programs to fill the GPU
+    ``programs_per_sm`` times, no more splits than key tiles a sequence can
+    have, and partial buffers kept under a fixed budget.
+    """
+    max_tiles = max(1, km.cdiv(max_context, block_n))
+    if interpret:
+        want = 4  # exercises the merge, including empty splits on short sequences
+    else:
+        want = km.cdiv(programs_per_sm * sm_count(), max(1, num_seqs * num_kv_heads))
+    splits = max(1, min(want, max_tiles, _MAX_SPLITS))
+    per_split = max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
+    while splits > 1 and splits * per_split > _PARTIALS_BUDGET:
+        splits //= 2
+    return splits
