@@ -47,7 +47,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tq_spec
-from tq_spec.dispatch import DispatchProblem, select_path
+from tq_spec.dispatch import problem_for, select_path
 
 from ._src import attention as _attention
 from ._src import kernel_math as _km
@@ -197,11 +197,8 @@ def _global_path(lay, query, kv_cache, block_table, *, sliding_window, path) -> 
 
     ``tests/jax/test_jax_sharding.py`` checks the mirror against the path the op launches.
     """
-    t, hq, d = (int(v) for v in query.shape)
-    _, bs, hkv, _ = (int(v) for v in kv_cache.shape)
-    return select_path(DispatchProblem(
-        num_tokens=t, num_seqs=int(block_table.shape[0]), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-        block_size=bs, preset=lay.preset, sliding_window=sliding_window), path)
+    return select_path(problem_for(query, kv_cache, block_table, preset=lay.preset,
+                                   sliding_window=sliding_window), path)
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, mesh, axis="kv", preset,

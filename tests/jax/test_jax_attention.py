@@ -19,7 +19,8 @@ import pytest
 
 import tq_jax
 import tq_spec
-from tqjax_cases import CPU_HEAD_DIM, attend, attention_failure, build_attention_case
+from tqjax_cases import (CPU_HEAD_DIM, attend, attention_failure, build_attention_case, paths_for,
+                         skip_if_ineligible)
 
 PATHS = tq_spec.dispatch.PATH_NAMES
 # Query dtypes cycle over the presets (float32 queries get IEEE fp32 dots).
@@ -37,7 +38,7 @@ def _check(case, out):
 
 
 def _check_all_paths(case, **kw):
-    for path in PATHS:
+    for path in paths_for(case):
         _check(case, attend(case, path, **kw))
 
 
@@ -47,6 +48,7 @@ def test_mixed_batch_every_preset_every_path(preset, path):
     rng = np.random.default_rng(zlib.crc32(f"{preset}-{path}".encode()))
     case = build_attention_case(rng, preset=preset, head_dim=CPU_HEAD_DIM[preset], num_q_heads=6,
                                 num_kv_heads=2, block_size=5, q_dtype=_Q_DTYPE[preset], **_MIXED)
+    skip_if_ineligible(case, path)
     _check(case, attend(case, path))
 
 
@@ -112,7 +114,7 @@ def test_randomized_rotation_public_api():
     rng = np.random.default_rng(31)
     case = build_attention_case(rng, preset=preset, head_dim=d, num_q_heads=4, num_kv_heads=2, block_size=4,
                                 q_dtype="float32", rotation=rot, **_MIXED)
-    for path in PATHS:
+    for path in paths_for(case):
         out = tq_jax.paged_attention(*case.jax_args(), preset=preset, rotation=rot, path=path)
         _check(case, out)
 
@@ -156,6 +158,6 @@ def test_under_jit_store_then_attend():
 def test_zero_query_tokens():
     case = build_attention_case(np.random.default_rng(0), preset="fp16", head_dim=64, num_q_heads=2,
                                 num_kv_heads=1, block_size=4, seq_lens=[5, 0], q_lens=[0, 0])
-    for path in PATHS:
+    for path in paths_for(case):
         out = tq_jax.paged_attention(*case.jax_args(), preset="fp16", path=path)
         assert out.shape == (0, 2, 64)

@@ -23,7 +23,8 @@ import pytest
 import tq_jax
 import tq_spec
 from parity.tolerances import compare_store
-from tqjax_cases import GARBAGE_BYTE, attend, attention_failure, build_attention_case, random_tokens
+from tqjax_cases import (GARBAGE_BYTE, attend, attention_failure, build_attention_case, paths_for,
+                         random_tokens)
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +38,7 @@ def _seed(name: str) -> np.random.Generator:
 
 def _check_paths(case, name):
     failures = []
-    for path in PATHS:
+    for path in paths_for(case):
         out = attend(case, path)
         failure = attention_failure(case, out)
         if failure:
@@ -191,7 +192,7 @@ def far_end_case(gib: float) -> int:
 
     case.kv_cache = got_small  # the reference reads the compact copy with the original table
     failures = []
-    for path in PATHS:
+    for path in paths_for(case):
         out = tq_jax.paged_attention(jnp.asarray(case.query), big, jnp.asarray(table), jnp.asarray(case.seq_lens),
                                      jnp.asarray(case.query_start_loc), preset=preset, path=path)
         failure = attention_failure(case, out)

@@ -21,7 +21,7 @@ import tq_spec
 from parity.tolerances import compare_store
 from test_jax_padding_nan import check_nan_query, check_nan_sink, check_padding_rows
 from tq_jax._src import params
-from tqjax_cases import build_attention_case, random_tokens
+from tqjax_cases import build_attention_case, random_tokens, skip_if_ineligible
 
 pytestmark = pytest.mark.gpu
 
@@ -45,6 +45,7 @@ def test_gpu_padding_rows_are_zeros(path, preset):
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float32"])
 def test_gpu_nan_query_rows_propagate(path, q_dtype):
     case = _gpu_case(f"nanq-{q_dtype}", q_dtype=q_dtype, logits_soft_cap=30.0)
+    skip_if_ineligible(case, path)
     # prefill rows of sequences 0 and 3, the decode rows of sequences 2 and 5 (many splits)
     check_nan_query(case, path, [(3, 5), (39, 15), (40, 0), (100, 7), (170, 12)])
 

@@ -23,7 +23,7 @@ import pytest
 
 import tq_jax
 import tq_spec
-from tqjax_cases import attend, attention_failure, build_attention_case
+from tqjax_cases import attend, attention_failure, build_attention_case, skip_if_ineligible
 
 PATHS = tq_spec.dispatch.PATH_NAMES
 
@@ -62,13 +62,16 @@ def check_padding_rows(case, path, extra):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
 def test_padding_rows_are_zeros(path, q_dtype):
-    check_padding_rows(_case(1, q_dtype=q_dtype, sliding_window=4, sinks=True), path, 5)
+    case = _case(1, q_dtype=q_dtype, sliding_window=4, sinks=True)
+    skip_if_ineligible(case, path)
+    check_padding_rows(case, path, 5)
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_padding_only_batch(path):
     """Every request padding (q_len 0, seq_len 0): the whole output is zeros."""
     case = _case(2, preset="fp16", seq_lens=[0, 0], q_lens=[0, 0])
+    skip_if_ineligible(case, path)
     padded = _with_padding_rows(case, 3)
     out = tq_jax.paged_attention(*padded.jax_args(), preset="fp16", path=path)
     assert out.shape == (3, 4, 64) and np.all(np.asarray(out) == 0)
@@ -138,12 +141,15 @@ def check_nan_sink(case, path, head):
 @pytest.mark.parametrize("preset,q_dtype", [("turboquant_4bit_nc", "bfloat16"), ("turboquant_k8v4", "float32")])
 def test_nan_query_row_propagates(path, preset, q_dtype):
     case = _case(3, preset=preset, q_dtype=q_dtype, logits_soft_cap=30.0)
+    skip_if_ineligible(case, path)
     check_nan_query(case, path, [(1, 2), (3, 0)])  # a prefill row of sequence 0, the decode row of sequence 2
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_nan_sink_propagates(path):
-    check_nan_sink(_case(4, sinks=True, sliding_window=3), path, head=1)
+    case = _case(4, sinks=True, sliding_window=3)
+    skip_if_ineligible(case, path)
+    check_nan_sink(case, path, head=1)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 import tq_spec
 from tq_jax._src.attention import _paged_attention
@@ -147,6 +148,21 @@ def attention_failure(case: AttentionCase, out) -> str | None:
         preset=case.preset, rotation=case.rotation, reference_out=case.reference(), **case.kwargs,
     )
     return None if res.ok else res.describe()
+
+
+def paths_for(case) -> tuple[str, ...]:
+    """The dispatch paths eligible for `case` (``dequant`` needs a 16-bit query)."""
+    problem = tq_spec.dispatch.problem_for(case.query, case.kv_cache, case.block_table, preset=case.preset,
+                                           sliding_window=case.jax_kwargs().get("sliding_window"))
+    return tq_spec.dispatch.eligible_paths(problem)
+
+
+def skip_if_ineligible(case, path) -> None:
+    """Skips (with the dispatch table's reason) a parametrized path that cannot run `case`."""
+    if path not in paths_for(case):
+        reason = tq_spec.dispatch.PATHS[path].ineligible(tq_spec.dispatch.problem_for(
+            case.query, case.kv_cache, case.block_table, preset=case.preset))
+        pytest.skip(f"path {path!r} is not eligible here: {reason}")
 
 
 def attend(case, path, *, num_splits=None, word_view=None):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import tq_spec
-from tq_spec.dispatch import DispatchProblem, select_path
+from tq_spec.dispatch import PATHS, problem_for, select_path
 
 from . import config
 from . import kernel_math as km
@@ -29,6 +29,7 @@ from .inputs import array, index_array, not_differentiable, validate_values
 from .kv_tiles import TileSpec, key_pair_tables
 from .params import resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
+from .workspace import dequantize_pages, workspace_preset
 
 try:
     from jax.core import Tracer as _Tracer
@@ -117,10 +118,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     t, hq, d = (int(s) for s in query.shape)
     n, bs, hkv, _ = (int(s) for s in kv_cache.shape)
-    problem = DispatchProblem(
-        num_tokens=t, num_seqs=int(block_table.shape[0]), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-        block_size=bs, preset=lay.preset, sliding_window=sliding_window,
-    )
+    problem = problem_for(query, kv_cache, block_table, preset=lay.preset, sliding_window=sliding_window)
     chosen = select_path(problem, path)
     rot, cents = _kernel_tables(lay.preset, d, rotation, codebook)
     return _paged_attention(
@@ -212,8 +210,17 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
     if word_view is None:
         word_view = needs_word_view(kv_cache.shape)
     cache = to_word_view(kv_cache) if word_view else kv_cache
-    if path not in ("decode", "extend"):
-        raise ValueError(f"path: expected 'decode' or 'extend' after dispatch, got {path!r}")
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {tuple(PATHS)} after dispatch, got {path!r}")
+    if path == "dequant":
+        # Every page once into a 16-bit raw cache (keys in scoring space), then the
+        # extend tiles over it with the query already rotated (`workspace`).
+        ws, ws_table = dequantize_pages(kv_cache, block_table, seq_lens, centroids, preset_name=preset_name,
+                                        head_dim=d, ws_dtype=query.dtype)
+        return _attend(q.astype(query.dtype), ws, ws_table, seq_lens, query_start_loc, sinks, None, None,
+                       preset_name=workspace_preset(query.dtype), scale=scale, sliding_window=sliding_window,
+                       logits_soft_cap=logits_soft_cap, path="extend", num_splits=None, interpret=interpret,
+                       word_view=None, poison=poison)
     d_pad = config.padded_head_dim(d)
     tiles = config.attention_tiles(d_pad, interpret, path, config.key_kind(lay.preset))
     spec = TileSpec(

@@ -1,0 +1,87 @@
+"""Path ``dequant``: every page the batch can see, dequantised once into a 16-bit
+K/V workspace, then the extend tiles over that workspace as a raw cache.
+
+The extend path dequantises each key tile once per query-row tile, so a long
+prefill decodes every key many times. Here each page is decoded once (plain
+jnp: XLA fuses the gather and the decode) into ``workspace [B * max_blocks,
+P, Hkv, 4 * D]`` bytes in the raw preset layout of the query's dtype
+(``bf16``/``fp16``: D keys then D values):
+
+* keys in scoring space, ``k = factor * c`` (mse: rotated space, factor
+  ``norm`` or ``norm / ||c||``; the query is rotated as on every path),
+* values ``code * scale + zero``,
+
+both rounded once to the query dtype, which is how the dots round them on the
+other paths too (``tq_spec.reference.emulate_paged_attention``). Entry
+``(b, j)`` of the block table becomes workspace page ``b * max_blocks + j``
+when page ``j`` holds keys of sequence ``b`` and its id is in ``[0, N)``, else
+-1. Same design as ``tq_torch/_src/workspace.py``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+import tq_spec
+
+from . import kernel_math as km
+from .dequantize import _bytes_le16, _unpack
+
+
+def scoring_space_kv(slots, centroids, *, preset_name: str, head_dim: int):
+    """``(K, V)`` float32 ``[..., D]`` of slots ``uint8[..., slot_bytes]``, keys in scoring space.
+
+    Unlike `dequantize.dequantize_cache`, mse keys stay rotated (``norm * c_hat``), to pair
+    with the rotated query.
+    """
+    lay = tq_spec.layout(preset_name, head_dim)
+    p, d = lay.preset, head_dim
+    e = jnp.arange(d)
+    if p.key_format == "raw":
+        k = km.half_bits_to_f32(_bytes_le16(slots, lay.key_offset + 2 * e), p.raw_dtype)
+        v = km.half_bits_to_f32(_bytes_le16(slots, lay.value_offset + 2 * e), p.raw_dtype)
+        return k, v
+    if p.key_format == "fp8":
+        k = km.fp8_e4m3fn_decode(slots[..., lay.key_offset: lay.key_offset + d].astype(jnp.int32))
+    else:
+        c = centroids[_unpack(slots, lay.key_offset, p.key_bits, d)]
+        if p.norm_correction:
+            c = c / jnp.sqrt(jnp.sum(c * c, axis=-1, keepdims=True))
+        k = km.half_bits_to_f32(_bytes_le16(slots, lay.key_norm_offset))[..., None] * c
+    scale = km.half_bits_to_f32(_bytes_le16(slots, lay.value_scale_offset))
+    zero = km.half_bits_to_f32(_bytes_le16(slots, lay.value_zero_offset))
+    codes = _unpack(slots, lay.value_offset, p.value_bits, d).astype(jnp.float32)
+    return k, codes * scale[..., None] + zero[..., None]
+
+
+def workspace_preset(query_dtype) -> str:
+    """The raw preset whose layout the workspace uses: the query's 16-bit dtype."""
+    return {"bfloat16": "bf16", "float16": "fp16"}[jnp.dtype(query_dtype).name]
+
+
+def dequantize_pages(kv_cache, block_table, seq_lens, centroids, *, preset_name: str, head_dim: int,
+                     ws_dtype):
+    """Decodes every page the block table names for its sequence into a raw 16-bit cache.
+
+    Args:
+      kv_cache: ``uint8[N, P, Hkv, slot_bytes]``; block_table ``int32[B, max_blocks]``;
+        seq_lens ``int32[B]``; centroids: the codebook (mse presets) or None.
+      ws_dtype: bfloat16 or float16, the query's dtype.
+
+    Returns:
+      ``(workspace uint8[B * max_blocks, P, Hkv, 4 * D], table int32[B, max_blocks])`` in the
+      raw layout of `workspace_preset`, and its block table (-1 where unused).
+    """
+    n, page, hkv, _ = kv_cache.shape
+    b, max_blocks = block_table.shape
+    lens = jnp.clip(seq_lens, 0, max_blocks * page)
+    col = lax.broadcasted_iota(jnp.int32, (b, max_blocks), 1)
+    used = (col * page < lens[:, None]) & (block_table >= 0) & (block_table < n)
+    pages = kv_cache[jnp.where(used, block_table, 0).reshape(-1)]
+    k, v = scoring_space_kv(pages, centroids, preset_name=preset_name, head_dim=head_dim)
+    kv = jnp.concatenate([k.astype(ws_dtype), v.astype(ws_dtype)], axis=-1)
+    workspace = lax.bitcast_convert_type(kv, jnp.uint8).reshape(kv.shape[:-1] + (4 * head_dim,))
+    table = jnp.where(used, lax.broadcasted_iota(jnp.int32, (b, max_blocks), 0) * max_blocks + col, -1)
+    return workspace, table.astype(jnp.int32)
+
