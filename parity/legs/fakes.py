@@ -58,10 +58,8 @@ class NumpyLeg(Leg):
     def paged_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, *, preset,
                         scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
                         rotation=None, codebook=None, path="auto"):
-        problem = tq_spec.dispatch.DispatchProblem(
-            num_tokens=query.shape[0], num_seqs=block_table.shape[0], num_q_heads=query.shape[1],
-            num_kv_heads=kv_cache.shape[2], head_dim=query.shape[2], block_size=kv_cache.shape[1],
-            preset=preset, sliding_window=sliding_window)
+        problem = tq_spec.dispatch.problem_for(query, kv_cache, block_table, preset=preset,
+                                               sliding_window=sliding_window)
         tq_spec.dispatch.select_path(problem, path)  # unknown / ineligible paths raise like a kernel
         out = reference.paged_attention(
             query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
@@ -85,10 +83,8 @@ class BrokenLeg(NumpyLeg):
     @staticmethod
     def _resolve(query, kv_cache, block_table, preset, sliding_window, path) -> str:
         """The path a kernel would run (auto resolved through the shared table)."""
-        return tq_spec.dispatch.select_path(tq_spec.dispatch.DispatchProblem(
-            num_tokens=query.shape[0], num_seqs=block_table.shape[0], num_q_heads=query.shape[1],
-            num_kv_heads=kv_cache.shape[2], head_dim=query.shape[2], block_size=kv_cache.shape[1],
-            preset=preset, sliding_window=sliding_window), path)
+        return tq_spec.dispatch.select_path(tq_spec.dispatch.problem_for(
+            query, kv_cache, block_table, preset=preset, sliding_window=sliding_window), path)
 
     def store_kv(self, key, value, kv_cache, slot_mapping, **kw):
         out = super().store_kv(key, value, kv_cache, slot_mapping, **kw)

@@ -91,7 +91,8 @@ class CaseRun:
         return tq_spec.dispatch.DispatchProblem(
             num_tokens=c.num_tokens, num_seqs=len(c.seqs), num_q_heads=c.num_q_heads,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
-            preset=c.preset, sliding_window=c.sliding_window)
+            preset=c.preset, sliding_window=c.sliding_window, query_dtype=c.dtype,
+            max_blocks=int(self.problem.block_table.shape[1]))
 
     # -- leg side --------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ def test_numpy_leg_passes_everything():
     ops = {r.op for r in recs}
     assert {"store", "attention", "paths", "e2e", "chunking", "model"} <= ops
     # Every eligible path was forced, plus auto.
-    assert {r.path for r in recs if r.op == "attention"} == {"auto", "decode", "extend"}
+    assert {r.path for r in recs if r.op == "attention"} == {"auto", "decode", "extend", "dequant"}
     # The reference only runs the comparisons that are not vacuous for the oracle.
     assert {r.op for r in recs if r.leg == "reference"} == {"e2e", "chunking"}
 
@@ -128,8 +128,8 @@ def test_kernel_legs_report_unavailable_or_load():
 def test_quick_mode_lets_auto_stand_in_for_its_path():
     recs = run([NumpyLeg()], [GQA], force_auto_choice=False)
     # GQA is a mixed batch with more tokens than sequences: auto selects extend, so extend is not
-    # forced again; decode still is.
-    assert {r.path for r in recs if r.op == "attention"} == {"auto", "decode"}
+    # forced again; decode and dequant (eligible for its bfloat16 query) still are.
+    assert {r.path for r in recs if r.op == "attention"} == {"auto", "decode", "dequant"}
     assert np.isfinite([r.metrics.get("max_err", 0.0) for r in recs]).all()
 
 
