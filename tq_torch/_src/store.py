@@ -1,111 +1,598 @@
 """Fused store: quantize K/V of new tokens and scatter them into their cache slots.
 
-One program per (token, kv head). Each program normalises, rotates (IEEE fp32,
-so codes match the float64 reference except at bucket boundaries),
-bucketises and bit-packs the key, or casts it to fp8 / copies it raw, and
-quantises + packs the value with fp16 scale/zero. Slot ``-1`` writes nothing;
-every byte outside the named slots is left untouched. Cache offsets are int64.
+Rows ``r`` = (token ``r // Hkv``, kv head ``r % Hkv``) are encoded
+``BLOCK_R`` at a time; with contiguous inputs a tile is one contiguous chunk
+of K and of V, read with 16-byte loads. A grid of resident programs (a few
+per SM, from static shapes: CUDA-graph safe) loops over the row tiles, so the
+rotation operand is loaded once per program and stays in shared memory, and
+with PREFETCH the next tile's K/V loads are in flight while this one is
+encoded. Per tile:
+
+* mse keys: ``n = ||k||``; the rotation runs on tensor cores as
+  ``Y = K @ Pi^T``. For tq_spec's rotations (``hadamard``,
+  ``randomized_hadamard``) every entry of Pi is ``+-c``: the kernel
+  multiplies by the exact +-1 sign matrix and scales by ``c / (n + 1e-8)``
+  per row. The products are exact (bf16 and fp16 keys are dot operands as
+  they are, fp32 keys are split into three bf16 parts whose sum is the key
+  exactly) and accumulate in fp32, so codes equal the float64 reference's
+  except at bucket boundaries, as the contract's tolerance allows. Any other
+  rotation is split into three bf16 parts as well (six dots, about fp32
+  accuracy). Codes come from a binary search over the midpoints
+  (`bucketize`: ``bits - 1`` compares for tq_spec's symmetric codebooks).
+* fp8 keys: exact integer encode (saturate to +-448, round to nearest even).
+* uniform values: ``lo``, ``hi``, ``scale = max((hi - lo) / (2**b - 1), 1e-8)``
+  and ``code = clamp(floor((v - lo) / scale + 0.5), 0, 2**b - 1)`` with the
+  correctly rounded fp32 quotient (one reciprocal per row, FMA corrections
+  per element; the interpreter divides with ``div_rn``): the same bits as
+  an IEEE fp32 division.
+* raw presets: a 16-bit copy (rounded to the cache dtype when it differs).
+
+Codes are packed in registers (pairwise merges, constant shifts) and every
+field is written as one tile of 16-bit words per row (32-bit or 16-byte
+stores where the slot stride allows), so a warp writes contiguous bytes. A
+row whose slot is outside ``[0, N * P)`` (``-1`` = padding, or bad metadata)
+is not written: every byte outside the named slots is left untouched. Cache
+offsets are int64.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 import tq_spec
 
-from . import config
-from .kernel_math import fp8_e4m3fn_encode, to_dtype_rne
+from . import config, params
+from .kernel_math import dot_operand, fp8_e4m3fn_encode, to_dtype_rne
+
+NORM_EPS = tl.constexpr(1e-8)
+VALUE_SCALE_MIN = tl.constexpr(1e-8)
+_F32_MAX = tl.constexpr(3.4028234663852886e38)
+
+# Rotation operand kinds (constexpr ROT_MODE).
+ROT_SIGNS = 0  # Pi = c * S with S = +-1: S^T in the dot dtype, tensor-core dots, exact products
+ROT_GENERAL = 1  # any Pi: float32 Pi, split into bf16 parts (six dots)
+
+# Tile settings (GPU) at D=128 by key format (see `store_tiles`); NOT yet
+# tuned on a GPU (chosen from the compiled code: registers, no spills).
+# `TUNING_OVERRIDES` replaces any setting, for tuning runs only (keys:
+# "block_r", "num_warps", "programs_per_sm", "maxnreg", "num_stages", "rot_n",
+# "prefetch").
+_TILES_D128 = {
+    "mse": dict(block_r=64, num_warps=16, programs_per_sm=1, prefetch=True),
+    "mse_general": dict(block_r=16, num_warps=4, programs_per_sm=2, prefetch=False),
+    "fp8": dict(block_r=32, num_warps=8, programs_per_sm=2, prefetch=False),
+    "raw": dict(block_r=64, num_warps=8, programs_per_sm=4, prefetch=False),
+}
+_INTERPRET_BLOCK_R = 16
+TUNING_OVERRIDES: dict = {}
+
+
+# --------------------------------------------------------------------------- device functions
 
 
 @triton.jit
-def pack_and_store(ptr_u8, byte_base, codes, BITS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    """Writes ``codes[D_PAD]`` (first D valid) as an LSB-first ``BITS``-bit stream at ``byte_base``.
+def _store_words(cache_i16_ptr, row_word, row_ok, word_idx, words, word_ok):
+    """Writes int32 ``words [BR, W]`` (low 16 bits) at word ``row_word + word_idx`` of each row."""
+    mask = row_ok[:, None] & word_ok[None, :]
+    tl.store(cache_i16_ptr + row_word[:, None] + word_idx[None, :], words.to(tl.int16), mask=mask)
 
-    8 codes make exactly ``BITS`` bytes, so codes are folded in groups of 8
-    into one integer word and the word is split into its bytes.
+
+@triton.jit
+def _pair_up(x, SHIFT: tl.constexpr):
+    """``[BR, 2N]`` -> ``[BR, N]``: ``x[:, 2i] | x[:, 2i + 1] << SHIFT`` (a constant shift per pair)."""
+    BR: tl.constexpr = x.shape[0]
+    N2: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.reshape(x, (BR, N2 // 2, 2)))
+    return a | (b << SHIFT)
+
+
+@triton.jit
+def store_code_words(cache_i16_ptr, row_word, row_ok, codes, COL0: tl.constexpr, BITS: tl.constexpr,
+                     N_CODES: tl.constexpr):
+    """Packs ``codes [BR, NC]`` (int32, columns ``COL0 ..``) into the LSB-first ``BITS``-bit stream.
+
+    ``row_word``: int64 word index of each row's stream start; columns at or
+    past ``N_CODES`` are padding and not written (``N_CODES * BITS`` is a
+    multiple of 16, so a word is wholly inside or past the stream). Codes are
+    merged pairwise (neighbours first, each merge a constant shift): BITS 4
+    and 8 reach 16-bit words, BITS 3 reaches 24-bit halves of a 16-code group
+    (3 words).
     """
-    NG: tl.constexpr = D_PAD // 8
-    grouped = tl.reshape(codes.to(tl.int64), (NG, 8))
-    lane = tl.arange(0, 8)
-    word = tl.sum(grouped << (lane * BITS).to(tl.int64)[None, :], axis=1)
-    group = tl.arange(0, NG)
-    byte_values = ((word[:, None] >> (8 * lane).to(tl.int64)[None, :]) & 0xFF).to(tl.uint8)
-    addr = byte_base + group[:, None] * BITS + lane[None, :]
-    mask = (lane[None, :] < BITS) & (group[:, None] < D // 8)
-    tl.store(ptr_u8 + addr, byte_values, mask=mask)
+    if BITS == 3:
+        NG: tl.constexpr = codes.shape[1] // 16
+        halves = _pair_up(_pair_up(_pair_up(codes, 3), 6), 12)  # [BR, 2 * NG], 24 bits each
+        a, b = tl.split(tl.reshape(halves, (halves.shape[0], NG, 2)))
+        grp = COL0 // 16 + tl.arange(0, NG)
+        ok = grp < N_CODES // 16
+        _store_words(cache_i16_ptr, row_word, row_ok, grp * 3, a & 0xFFFF, ok)
+        _store_words(cache_i16_ptr, row_word, row_ok, grp * 3 + 1, (a >> 16) | ((b & 0xFF) << 8), ok)
+        _store_words(cache_i16_ptr, row_word, row_ok, grp * 3 + 2, b >> 8, ok)
+    else:
+        if BITS == 4:
+            words = _pair_up(_pair_up(codes, 4), 8)
+        else:
+            tl.static_assert(BITS == 8, "code widths 3, 4 and 8")
+            words = _pair_up(codes, 8)
+        NW: tl.constexpr = words.shape[1]
+        w = COL0 * BITS // 16 + tl.arange(0, NW)
+        _store_words(cache_i16_ptr, row_word, row_ok, w, words, w < N_CODES * BITS // 16)
 
 
 @triton.jit
-def _store_fp16_field(ptr_i16, byte_offset, x):
-    """Stores fp32 scalar ``x`` as a little-endian fp16 field (RNE) at an even byte offset."""
-    tl.store(ptr_i16 + byte_offset // 2, x.to(tl.float16).to(tl.int16, bitcast=True))
+def _store_fp16_field(cache_i16_ptr, word, row_ok, x):
+    """Stores fp32 ``x [BR]`` as little-endian fp16 (RNE) at word index ``word [BR]``."""
+    tl.store(cache_i16_ptr + word, x.to(tl.float16).to(tl.int16, bitcast=True), mask=row_ok)
+
+
+@triton.jit
+def _search(y, mid_ptr, FIRST: tl.constexpr, LEVELS: tl.constexpr):
+    """``#{j < 2**LEVELS - 1 : y >= mid[FIRST + j]}`` by binary search (ascending midpoints).
+
+    ``LEVELS`` compares and a select tree over scalar midpoints instead of
+    ``2**LEVELS - 1`` compares.
+    """
+    m = mid_ptr + FIRST
+    if LEVELS == 4:
+        b3 = y >= tl.load(m + 7)
+        b2 = y >= tl.where(b3, tl.load(m + 11), tl.load(m + 3))
+        t1 = tl.where(b3, tl.where(b2, tl.load(m + 13), tl.load(m + 9)),
+                      tl.where(b2, tl.load(m + 5), tl.load(m + 1)))
+        b1 = y >= t1
+        t0 = tl.where(b3, tl.where(b2, tl.where(b1, tl.load(m + 14), tl.load(m + 12)),
+                                   tl.where(b1, tl.load(m + 10), tl.load(m + 8))),
+                      tl.where(b2, tl.where(b1, tl.load(m + 6), tl.load(m + 4)),
+                               tl.where(b1, tl.load(m + 2), tl.load(m + 0))))
+        b0 = y >= t0
+        return (b3.to(tl.int32) << 3) | (b2.to(tl.int32) << 2) | (b1.to(tl.int32) << 1) | b0.to(tl.int32)
+    elif LEVELS == 3:
+        b2 = y >= tl.load(m + 3)
+        b1 = y >= tl.where(b2, tl.load(m + 5), tl.load(m + 1))
+        t0 = tl.where(b2, tl.where(b1, tl.load(m + 6), tl.load(m + 4)),
+                      tl.where(b1, tl.load(m + 2), tl.load(m + 0)))
+        b0 = y >= t0
+        return (b2.to(tl.int32) << 2) | (b1.to(tl.int32) << 1) | b0.to(tl.int32)
+    else:
+        tl.static_assert(LEVELS == 2, "searches of 2..4 levels")
+        b1 = y >= tl.load(m + 1)
+        b0 = y >= tl.where(b1, tl.load(m + 2), tl.load(m + 0))
+        return (b1.to(tl.int32) << 1) | b0.to(tl.int32)
+
+
+@triton.jit
+def bucketize(y, mid_ptr, BITS: tl.constexpr, MID_MODE: tl.constexpr):
+    """``code = #{j : y >= mid[j]}`` (int32) over the ``2**BITS - 1`` midpoints; NaN gets code 0.
+
+    MID_MODE 0: ascending and antisymmetric midpoints (``mid[H - 1] == 0``,
+    ``mid[H - 1 + i] == -mid[H - 1 - i]``, ``H = 2**(BITS-1)``; every
+    tq_spec codebook): one search over the upper half with ``|y|``. For
+    ``y < 0`` the count is ``H - 1 - #{i : |y| > m_i}``, and ``|y| > m`` is
+    ``pred(|y|) >= m`` with ``pred`` the next float down (bit pattern - 1),
+    so the result is exactly the count. MID_MODE 1: ascending midpoints,
+    a search over all of them. MID_MODE 2: any midpoints, a linear count.
+    """
+    if MID_MODE == 0:
+        H: tl.constexpr = 1 << (BITS - 1)
+        neg = y < 0.0
+        nonneg = y >= 0.0  # -0.0 included; NaN is neither
+        mag = (y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) - neg.to(tl.int32)
+        cnt = _search(mag.to(tl.float32, bitcast=True), mid_ptr, H, BITS - 1)
+        return tl.where(nonneg, H + cnt, tl.where(neg, H - 1 - cnt, 0))
+    elif MID_MODE == 1:
+        return _search(y, mid_ptr, 0, BITS)
+    else:
+        code = tl.zeros(y.shape, dtype=tl.int32)
+        for j in tl.static_range(0, (1 << BITS) - 1):
+            code += (y >= tl.load(mid_ptr + j)).to(tl.int32)
+        return code
+
+
+@triton.jit
+def _acc_dot(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` in fp32; operands from `dot_operand` (16-bit floats on GPU, exact fp32 in the interpreter)."""
+    if INTERPRET:
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _split3(x, INTERPRET: tl.constexpr):
+    """fp32 ``x`` as three bf16 dot operands ``hi + mid + lo == x`` (8 significant bits each; exact)."""
+    hi = dot_operand(x, tl.bfloat16, INTERPRET)
+    rest = x - hi.to(tl.float32)
+    mid = dot_operand(rest, tl.bfloat16, INTERPRET)
+    lo = dot_operand(rest - mid.to(tl.float32), tl.bfloat16, INTERPRET)
+    return hi, mid, lo
+
+
+@triton.jit
+def rotate_signs(k, kf, signs, IN_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """``K @ S`` for a +-1 matrix ``signs [D, N]`` (a dot operand, `_load_rotation`): exact products, fp32 sums.
+
+    16-bit keys are dot operands as they are (fp16 keys with fp16 signs); a
+    float32 key is the exact sum of three bf16 parts, dotted smallest first.
+    """
+    acc = tl.zeros((k.shape[0], signs.shape[1]), dtype=tl.float32)
+    if IN_DTYPE == tl.float16:
+        acc = _acc_dot(dot_operand(kf, tl.float16, INTERPRET) if INTERPRET else k, signs, acc, INTERPRET)
+    elif IN_DTYPE == tl.bfloat16:
+        acc = _acc_dot(dot_operand(kf, tl.bfloat16, INTERPRET) if INTERPRET else k, signs, acc, INTERPRET)
+    else:
+        hi, mid, lo = _split3(kf, INTERPRET)
+        acc = _acc_dot(lo, signs, acc, INTERPRET)
+        acc = _acc_dot(mid, signs, acc, INTERPRET)
+        acc = _acc_dot(hi, signs, acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def rotate_general(kf, p_hi, p_mid, p_lo, INTERPRET: tl.constexpr):
+    """``K @ Pi^T`` for any float32 ``Pi^T [D, N] = p_hi + p_mid + p_lo`` (`_split3`), to about fp32 accuracy.
+
+    The key is split into three exact bf16 parts as well; the six products
+    down to relative size 2**-16 are accumulated smallest first (the three
+    dropped ones are 2**-24 and below, under fp32 rounding).
+    """
+    k_hi, k_mid, k_lo = _split3(kf, INTERPRET)
+    acc = tl.zeros((kf.shape[0], p_hi.shape[1]), dtype=tl.float32)
+    acc = _acc_dot(k_mid, p_mid, acc, INTERPRET)
+    acc = _acc_dot(k_lo, p_hi, acc, INTERPRET)
+    acc = _acc_dot(k_hi, p_lo, acc, INTERPRET)
+    acc = _acc_dot(k_mid, p_hi, acc, INTERPRET)
+    acc = _acc_dot(k_hi, p_mid, acc, INTERPRET)
+    return _acc_dot(k_hi, p_hi, acc, INTERPRET)
+
+
+@triton.jit
+def div_by_row(x, s, inv_s, INTERPRET: tl.constexpr):
+    """Correctly rounded ``x / s`` (fp32) for ``x [BR, W]``, ``s > 0`` per row, ``inv_s = RN(1/s)``.
+
+    Two FMA residual corrections of ``x * inv_s`` (the fast path of
+    ``div.rn.f32`` without its per-element reciprocal). Exact for the values
+    a store meets: ``x >= 0`` and a normal scale; an infinite scale (span
+    overflow) gives 0 or NaN as division does for the codes that follow.
+    The interpreter divides directly (numpy's IEEE division).
+    """
+    if INTERPRET:
+        return tl.math.div_rn(x, s[:, None] + tl.zeros_like(x))
+    else:
+        neg_s = (0.0 - tl.minimum(s, _F32_MAX))[:, None]  # per row: the FMAs take no negation
+        r = inv_s[:, None]
+        q = tl.fma(x, r, 0.0)
+        q = tl.fma(tl.fma(q, neg_s, x), r, q)
+        return tl.fma(tl.fma(q, neg_s, x), r, q)
+
+
+@triton.jit
+def _row_tile(tile, slot_ptr, n_rows, num_slots, stride_cn_w, stride_cp_w, stride_ch_w,
+              HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_ALIGN_W: tl.constexpr):
+    """Rows of this program: token and head (int64), whether each is written, cache word index of its slot.
+
+    ``HKV`` and ``PAGE_SIZE`` are constexprs: a division by a runtime value
+    costs tens of instructions, by a constant a multiply-shift, and Triton
+    recomputes these row values in every register layout that uses them.
+    """
+    r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = r < n_rows
+    # Past-the-end rows read the last row (in bounds) and write nothing.
+    r = tl.minimum(r, n_rows - 1)
+    tok = r // HKV
+    head = r - tok * HKV
+    slot = tl.load(slot_ptr + tok)
+    # Memory safety whatever the values: -1 (padding), other negatives and
+    # slots >= N * P are not written (compared at the slot's own width, so an
+    # int64 slot cannot wrap into range).
+    ok = in_range & (slot >= 0) & (slot < num_slots)
+    # In range, a slot fits in int32 (the launcher checks N * P < 2**31).
+    slot = tl.where(ok, slot, 0).to(tl.int32)
+    blk = slot // PAGE_SIZE
+    in_blk = (slot - blk * PAGE_SIZE) * stride_cp_w + head * stride_ch_w
+    word = blk.to(tl.int64) * stride_cn_w + in_blk.to(tl.int64)
+    if SLOT_ALIGN_W > 1:
+        # Every slot starts at a multiple of SLOT_ALIGN_W words (the strides' common
+        # power of two): lets Triton widen the stores of contiguous fields.
+        word = tl.multiple_of(word, SLOT_ALIGN_W)
+    return tok.to(tl.int64), head.to(tl.int64), ok, word
+
+
+@triton.jit
+def _load_rows(ptr, row_off, D: tl.constexpr, D_PAD: tl.constexpr):
+    """``[BR, D_PAD]`` rows at element offsets ``row_off`` (zeros past D)."""
+    d = tl.arange(0, D_PAD)
+    ptrs = ptr + row_off[:, None] + d[None, :]
+    if D == D_PAD:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_raw(cache_i16_ptr, row_word, ok, x, RAW_DTYPE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Raw 16-bit copy of ``x [BR, D_PAD]`` (input dtype), rounded to RAW_DTYPE if it differs."""
+    if x.dtype == RAW_DTYPE:
+        bits = x.to(tl.int16, bitcast=True)
+    else:
+        bits = to_dtype_rne(x.to(tl.float32), RAW_DTYPE, INTERPRET).to(tl.int16, bitcast=True)
+    d = tl.arange(0, D_PAD)
+    mask = ok[:, None] & (d < D)[None, :]
+    tl.store(cache_i16_ptr + row_word[:, None] + d[None, :], bits, mask=mask)
+
+
+@triton.jit
+def _fetch_tile(tile, key_ptr, value_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_cn_w, stride_cp_w, stride_ch_w, n_rows, num_slots,
+                D: tl.constexpr, D_PAD: tl.constexpr, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                BLOCK_R: tl.constexpr, SLOT_ALIGN_W: tl.constexpr):
+    """Issues the loads of tile ``tile``: (rows written, their slot word index, K and V ``[BR, D_PAD]``)."""
+    tok, head, ok, row_word = _row_tile(tile, slot_ptr, n_rows, num_slots, stride_cn_w, stride_cp_w, stride_ch_w,
+                                        HKV, PAGE_SIZE, BLOCK_R, SLOT_ALIGN_W)
+    k = _load_rows(key_ptr, tok * stride_kt + head * stride_kh, D, D_PAD)
+    v = _load_rows(value_ptr, tok * stride_vt + head * stride_vh, D, D_PAD)
+    return ok, row_word, k, v
+
+
+@triton.jit
+def _encode_tile(
+    ok, row_word, k, v, cache_i16_ptr, rot_ptr, mid_ptr, rot_0, rot_1, rot_2, rot_scale,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+    KEY_FORMAT: tl.constexpr, KEY_BITS: tl.constexpr, KEY_NORM_OFF: tl.constexpr,
+    VALUE_FORMAT: tl.constexpr, VALUE_BITS: tl.constexpr, VALUE_OFF: tl.constexpr,
+    VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, IN_DTYPE: tl.constexpr, ROT_MODE: tl.constexpr, ROT_N: tl.constexpr,
+    MID_MODE: tl.constexpr, ROT_RESIDENT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Encodes the rows ``k``, ``v`` of one tile and writes the rows with ``ok`` set."""
+    # ---- key part
+    if KEY_FORMAT == 0:  # raw copy
+        _store_raw(cache_i16_ptr, row_word, ok, k, RAW_DTYPE, D, D_PAD, INTERPRET)
+    elif KEY_FORMAT == 1:  # fp8 e4m3fn, saturating
+        store_code_words(cache_i16_ptr, row_word, ok, fp8_e4m3fn_encode(k.to(tl.float32)).to(tl.int32),
+                         0, 8, D)
+    else:  # rotated Lloyd-Max codes + fp16 norm (D is a power of two: D == D_PAD)
+        kf = k.to(tl.float32)
+        norm = tl.sqrt_rn(tl.sum(kf * kf, axis=1))
+        # y = Pi @ k / (n + eps) = (K @ Pi^T) * (c / (n + eps)); c = 1 for a general Pi.
+        row_scale = tl.math.div_rn(tl.zeros_like(norm) + rot_scale, norm + NORM_EPS)
+        for c0 in tl.static_range(0, D, ROT_N):
+            if not ROT_RESIDENT:
+                rot_0, rot_1, rot_2 = _load_rotation(rot_ptr, c0, ROT_MODE, D, ROT_N, IN_DTYPE, INTERPRET)
+            if ROT_MODE == 0:
+                acc = rotate_signs(k, kf, rot_0, IN_DTYPE, INTERPRET)
+            else:
+                acc = rotate_general(kf, rot_0, rot_1, rot_2, INTERPRET)
+            y = acc * row_scale[:, None]
+            codes = bucketize(y, mid_ptr, KEY_BITS, MID_MODE)
+            store_code_words(cache_i16_ptr, row_word, ok, codes, c0, KEY_BITS, D)
+        _store_fp16_field(cache_i16_ptr, row_word + KEY_NORM_OFF // 2, ok, norm)
+
+    # ---- value part
+    if VALUE_FORMAT == 0:
+        _store_raw(cache_i16_ptr, row_word + VALUE_OFF // 2, ok, v, RAW_DTYPE, D, D_PAD, INTERPRET)
+    else:
+        LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
+        vf = v.to(tl.float32)
+        dmask = (tl.arange(0, D_PAD) < D)[None, :]
+        lo = tl.min(tl.where(dmask, vf, float("inf")), axis=1)
+        hi = tl.max(tl.where(dmask, vf, float("-inf")), axis=1)
+        scale = tl.maximum(tl.math.div_rn(hi - lo, tl.zeros_like(lo) + LEVELS * 1.0), VALUE_SCALE_MIN)
+        inv_scale = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+        pos = div_by_row(vf - lo[:, None], scale, inv_scale, INTERPRET) + 0.5
+        # pos >= 0.5 and floor(pos) <= LEVELS for finite rows; NaN rows get 0
+        # (the conversion's NaN result on the GPU; clamped in the interpreter).
+        vcodes = tl.minimum(tl.floor(pos).to(tl.int32), LEVELS)
+        if INTERPRET:
+            vcodes = tl.maximum(vcodes, 0)
+        store_code_words(cache_i16_ptr, row_word + VALUE_OFF // 2, ok, vcodes, 0, VALUE_BITS, D)
+        _store_fp16_field(cache_i16_ptr, row_word + VALUE_SCALE_OFF // 2, ok, scale)
+        _store_fp16_field(cache_i16_ptr, row_word + VALUE_ZERO_OFF // 2, ok, lo)
+
+
+@triton.jit
+def _load_rotation(rot_ptr, c0: tl.constexpr, ROT_MODE: tl.constexpr, D: tl.constexpr, ROT_N: tl.constexpr,
+                   IN_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rotation operands ``[D, ROT_N]`` for output columns ``c0 ..`` (three; unused ones are 0).
+
+    ROT_MODE 0: the +-1 signs, stored in the dot dtype (``rot_ptr[j, i] =
+    sign(Pi[i, j])``: fp16 for fp16 keys, else bf16). ROT_MODE 1: float32
+    ``Pi^T`` split into three bf16 parts.
+    """
+    j = tl.arange(0, D)
+    cols = c0 + tl.arange(0, ROT_N)
+    if ROT_MODE == 0:
+        signs = tl.load(rot_ptr + j[:, None] * D + cols[None, :])
+        if INTERPRET:
+            signs = signs.to(tl.float32)  # exact +-1; the interpreter's dots take fp32 operands
+        return signs, 0, 0
+    else:
+        hi, mid, lo = _split3(tl.load(rot_ptr + cols[None, :] * D + j[:, None]), INTERPRET)
+        return hi, mid, lo
 
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, cache_u8_ptr, cache_i16_ptr, slot_ptr, rot_ptr, mid_ptr,
+    key_ptr, value_ptr, cache_i16_ptr, slot_ptr, rot_ptr, mid_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cn, stride_cp, stride_ch,
-    page_size,
+    stride_cn_w, stride_cp_w, stride_ch_w,
+    n_rows, num_slots, n_tiles, rot_scale,
     D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr,
     VALUE_FORMAT: tl.constexpr, VALUE_BITS: tl.constexpr, VALUE_OFF: tl.constexpr,
     VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
-    RAW_DTYPE: tl.constexpr, ROT_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, IN_DTYPE: tl.constexpr, ROT_MODE: tl.constexpr, ROT_N: tl.constexpr,
+    MID_MODE: tl.constexpr, HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+    SLOT_ALIGN_W: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot >= 0:
-        blk = slot // page_size
-        base = blk * stride_cn + (slot - blk * page_size) * stride_cp + head * stride_ch
-        d = tl.arange(0, D_PAD)
-        dmask = d < D
-        k_row = key_ptr + tok * stride_kt + head * stride_kh
-        v_row = value_ptr + tok * stride_vt + head * stride_vh
-        k = tl.load(k_row + d, mask=dmask, other=0.0).to(tl.float32)
-
-        # ---- key part
-        if KEY_FORMAT == 0:  # raw copy
-            bits = to_dtype_rne(k, RAW_DTYPE, INTERPRET).to(tl.int16, bitcast=True)
-            tl.store(cache_i16_ptr + base // 2 + d, bits, mask=dmask)
-        elif KEY_FORMAT == 1:  # fp8 e4m3fn, saturating
-            tl.store(cache_u8_ptr + base + d, fp8_e4m3fn_encode(k), mask=dmask)
-        else:  # rotated Lloyd-Max codes + fp16 norm
-            norm = tl.sqrt_rn(tl.sum(k * k, axis=0))
-            denom = norm + 1e-8
-            y = tl.zeros([D_PAD], dtype=tl.float32)
-            # y = Pi @ u, column block by column block: a [D, ROT_BLOCK] slice of
-            # Pi at a time keeps register use bounded for D up to 512.
-            for j0 in tl.static_range(0, D, ROT_BLOCK):
-                cols = j0 + tl.arange(0, ROT_BLOCK)
-                u = tl.math.div_rn(tl.load(k_row + cols).to(tl.float32), denom)
-                pi = tl.load(rot_ptr + d[:, None] * D + cols[None, :])
-                y += tl.sum(pi * u[None, :], axis=1)
-            codes = tl.zeros([D_PAD], dtype=tl.int32)
-            for j in tl.static_range(0, (1 << KEY_BITS) - 1):
-                codes += (y >= tl.load(mid_ptr + j)).to(tl.int32)
-            pack_and_store(cache_u8_ptr, base, codes, KEY_BITS, D, D_PAD)
-            _store_fp16_field(cache_i16_ptr, base + KEY_NORM_OFF, norm)
-
-        # ---- value part
-        v = tl.load(v_row + d, mask=dmask, other=0.0).to(tl.float32)
-        if VALUE_FORMAT == 0:
-            bits = to_dtype_rne(v, RAW_DTYPE, INTERPRET).to(tl.int16, bitcast=True)
-            tl.store(cache_i16_ptr + (base + VALUE_OFF) // 2 + d, bits, mask=dmask)
+    # Resident programs loop over row tiles (grid <= tiles): the rotation
+    # operand is loaded and converted once per program, and with PREFETCH the
+    # next tile's K/V loads are in flight while this one is encoded.
+    ROT_RESIDENT: tl.constexpr = KEY_FORMAT == 2 and D <= ROT_N
+    if ROT_RESIDENT:
+        rot_0, rot_1, rot_2 = _load_rotation(rot_ptr, 0, ROT_MODE, D, ROT_N, IN_DTYPE, INTERPRET)
+    else:
+        rot_0, rot_1, rot_2 = 0, 0, 0
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    if PREFETCH:
+        ok, row_word, k, v = _fetch_tile(pid, key_ptr, value_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                                         stride_vh, stride_cn_w, stride_cp_w, stride_ch_w, n_rows, num_slots,
+                                         D, D_PAD, HKV, PAGE_SIZE, BLOCK_R, SLOT_ALIGN_W)
+    for tile in range(pid, n_tiles, step):
+        if PREFETCH:
+            cur_ok, cur_word, cur_k, cur_v = ok, row_word, k, v
+            # The last round re-reads the last tile (in bounds, never written).
+            nxt = tl.minimum(tile + step, n_tiles - 1)
+            ok, row_word, k, v = _fetch_tile(nxt, key_ptr, value_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                                             stride_vh, stride_cn_w, stride_cp_w, stride_ch_w, n_rows, num_slots,
+                                             D, D_PAD, HKV, PAGE_SIZE, BLOCK_R, SLOT_ALIGN_W)
         else:
-            levels: tl.constexpr = (1 << VALUE_BITS) - 1
-            lo = tl.min(tl.where(dmask, v, float("inf")), axis=0)
-            hi = tl.max(tl.where(dmask, v, float("-inf")), axis=0)
-            scale = tl.maximum(tl.math.div_rn(hi - lo, levels * 1.0), 1e-8)
-            pos = tl.math.div_rn(v - lo, tl.zeros_like(v) + scale) + 0.5
-            vcodes = tl.minimum(tl.maximum(tl.floor(pos), 0.0), levels * 1.0).to(tl.int32)
-            pack_and_store(cache_u8_ptr, base + VALUE_OFF, vcodes, VALUE_BITS, D, D_PAD)
-            _store_fp16_field(cache_i16_ptr, base + VALUE_SCALE_OFF, scale)
-            _store_fp16_field(cache_i16_ptr, base + VALUE_ZERO_OFF, lo)
+            cur_ok, cur_word, cur_k, cur_v = _fetch_tile(
+                tile, key_ptr, value_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cn_w,
+                stride_cp_w, stride_ch_w, n_rows, num_slots, D, D_PAD, HKV, PAGE_SIZE, BLOCK_R, SLOT_ALIGN_W)
+        _encode_tile(cur_ok, cur_word, cur_k, cur_v, cache_i16_ptr, rot_ptr, mid_ptr, rot_0, rot_1, rot_2, rot_scale,
+                     D, D_PAD, KEY_FORMAT, KEY_BITS, KEY_NORM_OFF, VALUE_FORMAT, VALUE_BITS, VALUE_OFF,
+                     VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE, IN_DTYPE, ROT_MODE, ROT_N, MID_MODE,
+                     ROT_RESIDENT, INTERPRET)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@functools.lru_cache(maxsize=None)
+def _sign_form(rotation_bytes: bytes, d: int):
+    """(``S^T`` float32 numpy, ``c``) if the float32 rotation is ``c * S`` with ``S = +-1``, else None."""
+    rot = np.frombuffer(rotation_bytes, dtype=np.float32).reshape(d, d)
+    c = float(abs(rot[0, 0]))
+    if not (np.isfinite(c) and c > 0 and np.all(np.abs(rot) == np.float32(c))):
+        return None
+    return np.ascontiguousarray(np.where(rot > 0, 1.0, -1.0).astype(np.float32).T), c
+
+
+def _signs_tensor(signs_t: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The +-1 operand in the kernel's dot dtype (fp16 for fp16 keys, else bf16): exact."""
+    return torch.from_numpy(signs_t).to(device=device, dtype=torch.float16 if dtype == torch.float16 else torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_forms(preset_name: str, d: int):
+    """tq_spec's default rotation and codebook: (``S^T``, ``c``, midpoint mode); numpy, cached."""
+    qp = tq_spec.quant_params(preset_name, d)
+    signs_t, c = _sign_form(np.ascontiguousarray(qp.rotation, dtype=np.float32).tobytes(), d)
+    return signs_t, c, _midpoint_form(np.asarray(qp.codebook.midpoints, np.float32))
+
+
+def rotation_operand(preset_name: str, d: int, rotation: torch.Tensor, key_dtype: torch.dtype):
+    """(operand tensor, rot_scale, ROT_MODE) for the kernel's rotation.
+
+    tq_spec's default rotation (recognised by identity with the cached tensor,
+    no device sync) and any +-c rotation on the CPU take the sign path; other
+    device rotations take the general path (`rotate_general`).
+    """
+    dev = rotation.device
+    if rotation is params.default_rotation(preset_name, d, dev):
+        signs_t, c, _ = _default_forms(preset_name, d)
+        op_dtype = torch.float16 if key_dtype == torch.float16 else torch.bfloat16
+        tensor = params._cached(("store_rotation_signs_t", d, str(dev), str(op_dtype)),
+                                lambda: _signs_tensor(signs_t, key_dtype, dev))
+        return tensor, c, ROT_SIGNS
+    if dev.type == "cpu":
+        form = _sign_form(rotation.detach().to(torch.float32).contiguous().numpy().tobytes(), d)
+        if form is not None:
+            return _signs_tensor(form[0], key_dtype, dev), form[1], ROT_SIGNS
+    return rotation.to(torch.float32).contiguous(), 1.0, ROT_GENERAL
+
+
+MID_SYMMETRIC, MID_SORTED, MID_ANY = 0, 1, 2
+
+
+def _midpoint_form(mid: np.ndarray) -> int:
+    """MID_SYMMETRIC / MID_SORTED / MID_ANY for float32 midpoints (see `bucketize`)."""
+    n = mid.size
+    if n < 3 or not np.all(np.diff(mid) > 0):
+        return MID_ANY
+    if mid[n // 2] == 0 and np.array_equal(mid, -mid[::-1]):
+        return MID_SYMMETRIC
+    return MID_SORTED
+
+
+def midpoint_mode(preset_name: str, d: int, midpoints: torch.Tensor) -> int:
+    """How `bucketize` may search ``midpoints``, decided without a device sync.
+
+    tq_spec's default codebook (recognised by identity with the cached
+    tensor) and CPU tensors are inspected; other device tensors get the
+    linear count, which needs no ordering.
+    """
+    dev = midpoints.device
+    if midpoints is params.default_midpoints(preset_name, d, dev):
+        return _default_forms(preset_name, d)[2]
+    if dev.type == "cpu":
+        return _midpoint_form(midpoints.detach().to(torch.float32).numpy())
+    return MID_ANY
+
+
+def store_tiles(d_pad: int, key_format: int, rot_mode: int, in_bytes: int, interpret: bool) -> dict:
+    """Launch settings for one head dim, key format and input width (plus `TUNING_OVERRIDES`).
+
+    ``block_r`` rows per tile, ``num_warps``, ``programs_per_sm`` resident
+    programs per SM (the grid is that many per SM; each loops over tiles),
+    ``maxnreg`` (default: the register share that lets ``programs_per_sm``
+    programs fit on an SM), ``prefetch`` (next tile's loads in flight during
+    this one), ``num_stages`` (Triton's pipeliner), ``rot_n`` (output columns
+    per rotation dot; the rotation operand stays in shared memory across
+    tiles when ``rot_n == D``).
+    """
+    rot_n = d_pad if d_pad <= 256 else 128
+    if interpret:
+        return dict(block_r=_INTERPRET_BLOCK_R, num_warps=4, num_stages=1, rot_n=rot_n, maxnreg=None,
+                    programs_per_sm=1, prefetch=True)
+    kind = {config.KEY_MSE: "mse", config.KEY_FP8: "fp8"}.get(key_format, "raw")
+    if kind == "mse" and rot_mode == ROT_GENERAL:
+        kind = "mse_general"
+    tiles = dict(dict(num_stages=1, rot_n=min(rot_n, 128), maxnreg=None), **_TILES_D128[kind])
+    if kind == "mse_general":
+        # Three bf16 parts of a [D, rot_n] slice of Pi in shared memory: <= 96 KiB.
+        tiles["rot_n"] = min(d_pad, 16384 // d_pad)
+    # Same elements per program at other head dims (at least the 16 rows of a dot).
+    tiles["block_r"] = max(16, tiles["block_r"] * 128 // d_pad)
+    if kind == "mse":
+        # Register budget (from the compiled code): wider rotation operands
+        # and three key parts for fp32 keys want fewer, fatter threads.
+        tiles["rot_n"] = rot_n
+        if d_pad > 128 or in_bytes > 2:
+            tiles.update(prefetch=False)
+        if in_bytes > 2 or d_pad > 256:
+            tiles.update(num_warps=8)
+        if in_bytes > 2 and d_pad > 128:
+            tiles.update(block_r=16)  # still spills (fp32 keys at D >= 256 are rare in a store)
+        if d_pad > 256:
+            tiles.update(rot_n=32)
+    tiles.update(TUNING_OVERRIDES)
+    if tiles["maxnreg"] is None:
+        share = 65536 // (32 * tiles["num_warps"] * tiles["programs_per_sm"])
+        tiles["maxnreg"] = min(255, share // 8 * 8)
+    return tiles
+
+
+def _max_programs(device: torch.device, interpret: bool, tiles: dict) -> int:
+    """Programs of the tile loop: resident ones only (static: CUDA-graph safe); 2 in the interpreter (exercises the loop)."""
+    if interpret:
+        return 2
+    return tiles["programs_per_sm"] * config.sm_count(device)
+
+
+def _slot_align_words(kv_cache: torch.Tensor) -> int:
+    """The largest power of two (<= 8) dividing every slot's word offset: the strides' common factor."""
+    g = 0
+    for st in kv_cache.stride()[:3]:
+        g = math.gcd(g, st // 2)
+    return min(8, g & -g) if g else 1
 
 
 def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -114,7 +601,9 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     """Runs the store kernel (in place on ``kv_cache``); arguments already validated.
 
     ``rotation`` float32 ``[D, D]`` and ``midpoints`` float32 ``[2**bits - 1]``
-    on the cache's device are required for mse presets and ignored otherwise.
+    (ascending, as in every `tq_spec.Codebook`) on the cache's device are
+    required for mse presets and ignored otherwise. ``slot_mapping`` must be
+    contiguous; slots outside ``[0, N * P)`` are skipped.
     """
     t, hkv, d = key.shape
     if t == 0:
@@ -126,18 +615,27 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     value = value if value.stride(-1) == 1 else value.contiguous()
     cache_i16 = kv_cache.view(torch.int16)  # 2-byte fields sit at even offsets (checked in api)
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
-        rot, mid = rotation, midpoints
+        rot, rot_scale, rot_mode = rotation_operand(preset_name, d, rotation, key.dtype)
+        mid, mid_mode = midpoints, midpoint_mode(preset_name, d, midpoints)
     else:
         # Dummies: the kernel never dereferences them for these formats.
-        rot = mid = slot_mapping
+        rot, rot_scale, rot_mode, mid, mid_mode = slot_mapping, 1.0, ROT_SIGNS, slot_mapping, MID_ANY
     d_pad = config.padded_head_dim(d)
-    rot_block = d if interpret else max(16, min(d, 4096 // d))
-    _store_kv_kernel[(t, hkv)](
-        key, value, kv_cache, cache_i16, slot_mapping, rot, mid,
+    tiles = store_tiles(d_pad, fmt["KEY_FORMAT"], rot_mode, key.element_size(), interpret)
+    n_rows = t * hkv
+    n, p = kv_cache.shape[:2]
+    if n * p >= 2**31 or n_rows >= 2**31:
+        raise NotImplementedError(f"kv_cache: {n * p} slots / {n_rows} rows; the store addresses fewer than 2**31")
+    n_tiles = triton.cdiv(n_rows, tiles["block_r"])
+    grid = (min(n_tiles, _max_programs(kv_cache.device, interpret, tiles)),)
+    _store_kv_kernel[grid](
+        key, value, cache_i16, slot_mapping, rot, mid,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.shape[1],
-        D_PAD=d_pad, ROT_BLOCK=rot_block, INTERPRET=interpret,
-        num_warps=4 if d <= 128 else 8,
+        kv_cache.stride(0) // 2, kv_cache.stride(1) // 2, kv_cache.stride(2) // 2,
+        n_rows, n * p, n_tiles, rot_scale,
+        D_PAD=d_pad, IN_DTYPE=config.TORCH_TO_TL[key.dtype], ROT_MODE=rot_mode, ROT_N=tiles["rot_n"],
+        MID_MODE=mid_mode, PREFETCH=tiles["prefetch"], SLOT_ALIGN_W=_slot_align_words(kv_cache),
+        HKV=hkv, PAGE_SIZE=p, BLOCK_R=tiles["block_r"], INTERPRET=interpret, num_warps=tiles["num_warps"],
+        maxnreg=tiles["maxnreg"], num_stages=tiles["num_stages"],
         **fmt,
     )
