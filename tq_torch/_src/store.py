@@ -559,6 +559,8 @@ def store_tiles(d_pad: int, key_format: int, rot_mode: int, in_bytes: int, inter
     if kind == "mse_general":
         # Three bf16 parts of a [D, rot_n] slice of Pi in shared memory: <= 96 KiB.
         tiles["rot_n"] = min(d_pad, 16384 // d_pad)
+        if d_pad > 128:
+            tiles.update(num_warps=8, programs_per_sm=1)  # the three key parts of wide heads
     # Same elements per program at other head dims (at least the 16 rows of a dot).
     tiles["block_r"] = max(16, tiles["block_r"] * 128 // d_pad)
     if kind == "mse":
