@@ -161,3 +161,17 @@ def test_zero_query_tokens():
     for path in paths_for(case):
         out = tq_jax.paged_attention(*case.jax_args(), preset="fp16", path=path)
         assert out.shape == (0, 2, 64)
+
+
+def test_fp8_keys_without_the_hardware_cast(monkeypatch):
+    """GPUs below sm_89 cannot cast from float8_e4m3fn in the Triton lowering: the kernels then decode
+    fp8 keys with the integer recipe (same values); checked here on every path in interpret mode."""
+    from tq_jax._src import config
+
+    monkeypatch.setattr(config, "fp8_hardware_convert", lambda interpret: False)
+    rng = np.random.default_rng(61)
+    case = build_attention_case(rng, preset="turboquant_k8v4", head_dim=40, num_q_heads=4, num_kv_heads=2,
+                                block_size=4, q_dtype="bfloat16", sliding_window=5, sinks=True,
+                                scale=0.173, **_MIXED)  # a scale of its own: no cached compilation reused
+    for path in ("decode", "extend"):
+        _check(case, attend(case, path))

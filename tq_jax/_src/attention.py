@@ -227,6 +227,7 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
         lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
         max_blocks=int(block_table.shape[1]), block_n=tiles["block_n"], head_dim_padded=d_pad,
         compute_dtype=cdt, prefetch=tiles["prefetch"], ptx_div=not interpret,
+        fp8_convert=config.fp8_hardware_convert(interpret),
     )
     common = dict(tiles=spec, num_q_heads=hq, group=group, scale=scale, window=sliding_window,
                   soft_cap=logits_soft_cap, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])

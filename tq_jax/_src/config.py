@@ -103,6 +103,32 @@ def sm_count() -> int:
     return int(getattr(dev, "core_count", 0) or _DEFAULT_SM_COUNT)
 
 
+def gpu_compute_capability() -> int | None:
+    """Compute capability (e.g. 90) of the first GPU of this process, None without one."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+    try:
+        return int(str(dev.compute_capability).replace(".", ""))
+    except (AttributeError, ValueError):
+        return None
+
+
+def fp8_hardware_convert(interpret: bool) -> bool:
+    """Whether kernels may convert fp8 e4m3fn bytes with a hardware cast.
+
+    The Pallas Triton lowering casts from float8_e4m3fn only for compute
+    capability >= 8.9 (it assumes 9.0 when no GPU is visible, as for an
+    export); older GPUs decode the bytes with `kernel_math.fp8_e4m3fn_decode`.
+    Interpret mode (XLA) always can.
+    """
+    if interpret:
+        return True
+    cc = gpu_compute_capability()
+    return cc is None or cc >= 89
+
+
 def decode_num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int, head_dim: int,
                       max_context: int, block_n: int, interpret: bool, programs_per_sm: int = 4) -> int:
     """Splits of the decode path, from static shapes only.

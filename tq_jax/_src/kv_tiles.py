@@ -58,6 +58,7 @@ class TileSpec:
     compute_dtype: str  # dtype of the dot operands (the query dtype)
     prefetch: bool  # hand-pipelined key loop
     ptx_div: bool  # IEEE division through PTX (GPU lowering); plain `/` in interpret mode
+    fp8_convert: bool = True  # fp8 keys by a hardware cast (sm_89+), else the integer decode
 
     @property
     def head_dim(self) -> int:
@@ -209,7 +210,9 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref):
     if p.key_format == "raw":
         return (km.half_words_to_float(km.bytes_to_words(raw.key[0]), p.raw_dtype, cdt),), None
     if p.key_format == "fp8":
-        return (km.fp8_bytes_to_float(raw.key[0], cdt),), None
+        if spec.fp8_convert:
+            return (km.fp8_bytes_to_float(raw.key[0], cdt),), None
+        return (km.fp8_e4m3fn_decode(raw.key[0].astype(jnp.int32)).astype(cdt),), None
     idx = _pair_indices(raw.key, p.key_bits)
     width = tab_ref.shape[1]
     col = lax.broadcasted_iota(jnp.int32, (1, 1, width), 2)
