@@ -143,3 +143,18 @@ def test_store_zero_tokens():
     kv = jnp.zeros((0, 1, 64), jnp.float16)
     out = tq_jax.store_kv(kv, kv, jnp.asarray(cache), jnp.zeros((0,), jnp.int32), preset=preset)
     np.testing.assert_array_equal(np.asarray(out), cache)
+
+
+@pytest.mark.parametrize("preset", tq_spec.PRESET_NAMES)
+def test_dequantize_cache_matches_reference(preset):
+    """Every slot decoded back to model space: random bytes written by the store, float64 reference."""
+    d = 64
+    rng = np.random.default_rng(1)
+    key, value, cache, slots = _store_case(rng, preset, d, tokens=6, heads=2, blocks=2, block_size=3)
+    cache = np.asarray(tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache),
+                                       jnp.asarray(slots), preset=preset))
+    k, v = tq_jax.dequantize_cache(jnp.asarray(cache), preset=preset, head_dim=d)
+    rk, rv = tq_spec.reference.dequantize_cache(cache, preset=preset, head_dim=d)
+    assert k.dtype == v.dtype == jnp.float32 and k.shape == v.shape == rk.shape
+    np.testing.assert_allclose(np.asarray(k, np.float64), rk, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(v, np.float64), rv, rtol=1e-5, atol=1e-6)

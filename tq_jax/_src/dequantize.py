@@ -52,7 +52,12 @@ def _unpack(slots, offset, bits, d):
     return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << bits) - 1)
 
 
-def _dequantize_impl(slots, rotation, centroids, *, preset_name, head_dim):
+def scoring_space_kv(slots, centroids, *, preset_name: str, head_dim: int):
+    """``(K, V)`` float32 ``[..., D]`` of slots ``uint8[..., slot_bytes]``, keys in scoring space.
+
+    mse keys stay in the rotated basis (``norm * c_hat``, pairing with ``q_rot = Pi @ q``);
+    `dequantize_cache` rotates them back, the ``dequant`` path's workspace keeps them.
+    """
     lay = tq_spec.layout(preset_name, head_dim)
     p, d = lay.preset, head_dim
     if p.key_format == "raw":
@@ -66,12 +71,18 @@ def _dequantize_impl(slots, rotation, centroids, *, preset_name, head_dim):
         c = centroids[_unpack(slots, lay.key_offset, p.key_bits, d)]
         if p.norm_correction:
             c = c / jnp.sqrt(jnp.sum(c * c, axis=-1, keepdims=True))
-        norm = km.half_bits_to_f32(_bytes_le16(slots, lay.key_norm_offset))
-        k = jnp.einsum("...r,rd->...d", norm[..., None] * c, rotation, precision=lax.Precision.HIGHEST)
+        k = km.half_bits_to_f32(_bytes_le16(slots, lay.key_norm_offset))[..., None] * c
     scale = km.half_bits_to_f32(_bytes_le16(slots, lay.value_scale_offset))
     zero = km.half_bits_to_f32(_bytes_le16(slots, lay.value_zero_offset))
-    vc = _unpack(slots, lay.value_offset, p.value_bits, d).astype(jnp.float32)
-    return k, vc * scale[..., None] + zero[..., None]
+    codes = _unpack(slots, lay.value_offset, p.value_bits, d).astype(jnp.float32)
+    return k, codes * scale[..., None] + zero[..., None]
+
+
+def _dequantize_impl(slots, rotation, centroids, *, preset_name, head_dim):
+    k, v = scoring_space_kv(slots, centroids, preset_name=preset_name, head_dim=head_dim)
+    if tq_spec.get_preset(preset_name).key_format == "mse":
+        k = jnp.einsum("...r,rd->...d", k, rotation, precision=lax.Precision.HIGHEST)  # back to model space
+    return k, v
 
 
 _dequantize_jit = jax.jit(_dequantize_impl, static_argnames=("preset_name", "head_dim"))

@@ -23,36 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-import tq_spec
-
-from . import kernel_math as km
-from .dequantize import _bytes_le16, _unpack
-
-
-def scoring_space_kv(slots, centroids, *, preset_name: str, head_dim: int):
-    """``(K, V)`` float32 ``[..., D]`` of slots ``uint8[..., slot_bytes]``, keys in scoring space.
-
-    Unlike `dequantize.dequantize_cache`, mse keys stay rotated (``norm * c_hat``), to pair
-    with the rotated query.
-    """
-    lay = tq_spec.layout(preset_name, head_dim)
-    p, d = lay.preset, head_dim
-    e = jnp.arange(d)
-    if p.key_format == "raw":
-        k = km.half_bits_to_f32(_bytes_le16(slots, lay.key_offset + 2 * e), p.raw_dtype)
-        v = km.half_bits_to_f32(_bytes_le16(slots, lay.value_offset + 2 * e), p.raw_dtype)
-        return k, v
-    if p.key_format == "fp8":
-        k = km.fp8_e4m3fn_decode(slots[..., lay.key_offset: lay.key_offset + d].astype(jnp.int32))
-    else:
-        c = centroids[_unpack(slots, lay.key_offset, p.key_bits, d)]
-        if p.norm_correction:
-            c = c / jnp.sqrt(jnp.sum(c * c, axis=-1, keepdims=True))
-        k = km.half_bits_to_f32(_bytes_le16(slots, lay.key_norm_offset))[..., None] * c
-    scale = km.half_bits_to_f32(_bytes_le16(slots, lay.value_scale_offset))
-    zero = km.half_bits_to_f32(_bytes_le16(slots, lay.value_zero_offset))
-    codes = _unpack(slots, lay.value_offset, p.value_bits, d).astype(jnp.float32)
-    return k, codes * scale[..., None] + zero[..., None]
+from .dequantize import scoring_space_kv
 
 
 def workspace_preset(query_dtype) -> str:
