@@ -17,7 +17,9 @@ import tq_jax
 import tq_spec
 from parity.tolerances import compare_store
 from tq_jax._src.params import resolve
-from tq_jax._src.store import store_kv_call
+from tq_jax._src.store import (MID_ANY, MID_SORTED, MID_SYMMETRIC, ROT_SIGNS, bucketize, store_kv_call,
+                               store_operands)
+from tq_spec.bits import unpack_bits
 from tqjax_cases import CPU_HEAD_DIM, random_tokens
 
 _INPUT_DTYPE = {  # cycle the input dtypes over the presets
@@ -158,3 +160,152 @@ def test_dequantize_cache_matches_reference(preset):
     assert k.dtype == v.dtype == jnp.float32 and k.shape == v.shape == rk.shape
     np.testing.assert_allclose(np.asarray(k, np.float64), rk, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(v, np.float64), rv, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- memory safety, kernel variants
+
+
+@pytest.mark.parametrize("preset,word_view", [("turboquant_4bit_nc", False), ("turboquant_k8v4", True),
+                                              ("turboquant_3bit_nc", True), ("bf16", False)])
+def test_store_bad_slots_write_nothing(preset, word_view):
+    """Slots outside [0, N*P) -- -1 padding, other negatives, N*P and beyond, int32 extremes -- write
+    nothing, through the public op and through the bare kernel (its own guard), both cache views."""
+    d, hkv, n, p = 64, 2, 5, 4
+    rng = np.random.default_rng(17)
+    lay = tq_spec.layout(preset, d)
+    cache = rng.integers(0, 256, (n, p, hkv, lay.slot_bytes), dtype=np.uint8)
+    good = [3, 0, n * p - 1, 9]
+    slots = np.array([-1, -5, n * p, n * p + 3] + good + [2**31 - 1, -(2**31)], np.int32)
+    key = random_tokens(rng, (slots.size, hkv, d))
+    value = random_tokens(rng, (slots.size, hkv, d))
+    ref_slots = np.where((slots >= 0) & (slots < n * p), slots, -1)
+    out = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
+                          preset=preset, validate=False)
+    cmp = _assert_matches(np.asarray(out), key, value, cache, ref_slots, preset)
+    assert cmp.slots_written == len(good)
+    kp = resolve(preset, d)
+    rot, form, mode = store_operands(tq_spec.layout(preset, d), kp, None, None, jnp.float32)
+    fn = jax.jit(functools.partial(store_kv_call, preset_name=preset, interpret=None, word_view=word_view,
+                                   rotation_form=form, midpoint_mode=mode))
+    out = fn(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots), rot, kp.midpoints)
+    _assert_matches(np.asarray(out), key, value, cache, ref_slots, preset)
+
+
+def test_store_general_rotation():
+    """A rotation that is not +-c (random orthogonal, numpy) and any jax array rotation take the
+    split-bf16 general path."""
+    preset, d = "turboquant_4bit_nc", 64
+    rng = np.random.default_rng(2)
+    rot = np.linalg.qr(rng.standard_normal((d, d)))[0].astype(np.float32)
+    key, value, cache, slots = _store_case(rng, preset, d, tokens=9, dtype="bfloat16")
+    for rotation, want in ((rot, rot), (jnp.asarray(tq_spec.rotation(d)), None)):
+        out = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
+                              preset=preset, rotation=rotation)
+        _assert_matches(np.asarray(out), key, value, cache, slots, preset, rotation=want)
+
+
+@pytest.mark.parametrize("kind", ["asymmetric", "symmetric_exact"])
+def test_store_other_codebooks(kind):
+    """Codebooks the symmetric search does not apply to (asymmetric) and another symmetric one."""
+    preset, d = "turboquant_k3v4_nc", 64
+    if kind == "symmetric_exact":
+        cb = tq_spec.codebook(d, 3, flavor="exact")
+    else:
+        c = np.sort(np.random.default_rng(4).normal(0.05, 0.12, 8)).astype(np.float32)
+        cb = tq_spec.Codebook(d, 3, "custom", c, ((c[:-1] + c[1:]) / np.float32(2)).astype(np.float32))
+    rng = np.random.default_rng(6)
+    key, value, cache, slots = _store_case(rng, preset, d, tokens=8, dtype="bfloat16")
+    out = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
+                          preset=preset, codebook=cb)
+    _assert_matches(np.asarray(out), key, value, cache, slots, preset, codebook=cb)
+
+
+def test_store_value_codes_are_the_fp32_chain():
+    """Value codes and fp16 fields equal, bit for bit, ``floor(RN(RN(RN(v - lo) / scale) + 0.5))``
+    in IEEE fp32 (what the kernel computes on every backend), on bf16 data full of exact ties."""
+    preset, d = "turboquant_k8v4", 128
+    lay = tq_spec.layout(preset, d)
+    rng = np.random.default_rng(8)
+    t, hkv = 32, 2
+    value = (rng.integers(-24, 25, (t, hkv, d)).astype(np.float32) / 8).astype(jnp.bfloat16)
+    value[::5] = rng.standard_normal(value[::5].shape).astype(jnp.bfloat16)
+    key = rng.standard_normal((t, hkv, d)).astype(jnp.bfloat16)
+    cache = np.zeros((t // 4, 4, hkv, lay.slot_bytes), np.uint8)
+    got = np.asarray(tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache),
+                                     jnp.arange(t, dtype=jnp.int32), preset=preset)).reshape(t, hkv, -1)
+    v = value.astype(np.float32)
+    lo, hi = v.min(-1, keepdims=True), v.max(-1, keepdims=True)
+    scale = np.maximum((hi - lo) / np.float32(15), np.float32(1e-8)).astype(np.float32)
+    codes = np.floor(((v - lo) / scale).astype(np.float32) + np.float32(0.5)).astype(np.int64)
+    np.testing.assert_array_equal(unpack_bits(got[..., lay.value_offset:lay.value_offset + lay.value_bytes], 4, d),
+                                  np.clip(codes, 0, 15))
+    np.testing.assert_array_equal(got[..., lay.value_scale_offset:lay.value_scale_offset + 2].view(np.float16)[..., 0],
+                                  scale[..., 0].astype(np.float16))
+    np.testing.assert_array_equal(got[..., lay.value_zero_offset:lay.value_zero_offset + 2].view(np.float16)[..., 0],
+                                  lo[..., 0].astype(np.float16))
+
+
+@pytest.mark.parametrize("mode", [MID_SYMMETRIC, MID_SORTED, MID_ANY])
+def test_store_every_midpoint_search_and_many_tiles(mode):
+    """Each code search, and more row tiles than programs (the tile loop and its prefetch)."""
+    preset, d = "turboquant_4bit_nc", 64
+    rng = np.random.default_rng(9)
+    key, value, cache, slots = _store_case(rng, preset, d, tokens=40, heads=3, blocks=20, block_size=4,
+                                           dtype="bfloat16")
+    kp = resolve(preset, d)
+    rot, form, _ = store_operands(tq_spec.layout(preset, d), kp, None, None, jnp.bfloat16)
+    fn = jax.jit(functools.partial(store_kv_call, preset_name=preset, interpret=None, rotation_form=form,
+                                   midpoint_mode=mode))
+    out = fn(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots), rot, kp.midpoints)
+    _assert_matches(np.asarray(out), key, value, cache, slots, preset)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_bucketize_is_the_exact_count(bits):
+    """`bucketize` (all three searches) equals ``#{j : y >= m_j}`` exactly: on every midpoint, one
+    ulp either side, at +-0, +-inf, NaN and at random. (Not at subnormals: XLA on the CPU flushes
+    them to zero, so interpret mode compares -1e-45 as -0; the GPU does not flush.)"""
+    mids = tq_spec.codebook(128, bits).midpoints.astype(np.float32)
+    special = [np.float32(x) for x in (0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -1e-30, 3.0, -3.0)]
+    near = [f(m) for m in mids if m != 0 for f in (lambda m: m, lambda m: np.nextafter(m, np.float32(np.inf)),
+                                                    lambda m: np.nextafter(m, np.float32(-np.inf)))]
+    y = np.array(special + near, np.float32)
+    y = np.concatenate([y, np.random.default_rng(bits).normal(0, 0.1, 256 - y.size).astype(np.float32)])
+    want = np.sum(y[:, None] >= mids[None, :], axis=1)
+    for mode in (MID_SYMMETRIC, MID_SORTED, MID_ANY):
+        got = jax.jit(lambda yy: bucketize(yy, [jnp.float32(m) for m in mids], bits, mode))(jnp.asarray(y))
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"mode {mode}")
+
+
+@pytest.mark.parametrize("preset,dtype", [("turboquant_4bit_nc", jnp.bfloat16), ("turboquant_k3v4_nc", jnp.float16),
+                                          ("turboquant_3bit_nc", jnp.float32)])
+def test_store_sign_path_lowers_to_triton(preset, dtype):
+    """The sign-rotation / symmetric-search kernel (what `store_kv` runs by default) lowers for CUDA
+    with tensor-core dots (the shared lowering test drives the general path through `store_kv_call`)."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    modules = []
+    original = triton_lowering.lower_jaxpr_to_triton_module
+
+    def verified(*args, **kwargs):
+        result = original(*args, **kwargs)
+        assert result.module.operation.verify()
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    d = 128
+    lay = tq_spec.layout(preset, d)
+    kp = resolve(preset, d)
+    rot, form, mode = store_operands(lay, kp, None, None, dtype)
+    assert form[0] == ROT_SIGNS and mode == MID_SYMMETRIC
+    fn = functools.partial(store_kv_call, preset_name=preset, interpret=False, rotation_form=form, midpoint_mode=mode)
+    S = jax.ShapeDtypeStruct
+    triton_lowering.lower_jaxpr_to_triton_module = verified
+    try:
+        jax.jit(fn).trace(S((300, 4, d), dtype), S((300, 4, d), dtype), S((20, 16, 4, lay.slot_bytes), jnp.uint8),
+                          S((300,), jnp.int32), S(rot.shape, rot.dtype), S((16,), jnp.float32)
+                          ).lower(lowering_platforms=("cuda",))
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = original
+    (asm,) = modules
+    assert "tt.dot" in asm and "scf.for" in asm and "div.rn.f32" in asm and "fma.rn.f32" in asm
