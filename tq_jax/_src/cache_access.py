@@ -155,8 +155,7 @@ class CacheWords:
         if self.word_view:
             return pltriton.load(ref.at[blk, off, head, byte // 2], mask=mask, other=0).astype(jnp.int32)
         pair = self.load_bytes(ref, blk, off, head, byte, 2, 2, mask)  # one 2-byte load per key
-        lo, hi = jnp.unstack(pair.astype(jnp.int32), axis=-1)
-        return lo | (hi << 8)
+        return km.bytes_to_words(pair).reshape(blk.shape)
 
     def store(self, ref, blk, off, head, word, value, mask=None):
         """Writes int32 words (low 16 bits) at `word`; lanes with mask False write nothing.

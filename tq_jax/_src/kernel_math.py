@@ -160,9 +160,7 @@ def interleave(a, b):
 
     `jnp.stack` on the last axis lowers to ``tt.join``, which adds the new axis
     inside one thread's registers, so the reshape moves no data (tq_torch's
-    ``_interleave`` is the same join + reshape). (A concatenation of
-    ``[..., 1]`` arrays also lowers to a join, but the extra reshapes cost the
-    decode kernel 50-90 registers in Triton 3.6.)
+    ``_interleave`` is the same join + reshape).
     """
     *lead, w = a.shape
     return jnp.stack([a, b], axis=-1).reshape(*lead, 2 * w)
@@ -183,15 +181,12 @@ def interleave_fields(fields):
 def bytes_to_words(x):
     """Little-endian byte pairs ``[..., 2W]`` (uint8/int32) -> int32 16-bit words ``[..., W]``.
 
-    For tiles whose byte loads put both bytes of a pair in one thread (wide
-    fields: raw 16-bit K/V), the sum is a register operation; it needed 80
-    fewer registers than a split in the bf16 decode kernel. (A ``[BN, 2]``
-    field spreads the pair over two lanes: use `jnp.unstack` there.)
+    The pair axis stays inside a thread (``tt.split``), so this is two
+    register operations per word.
     """
     *lead, n = x.shape
-    pairs = x.astype(jnp.int32).reshape(*lead, n // 2, 2)
-    shift = 8 * lax.broadcasted_iota(jnp.int32, pairs.shape, pairs.ndim - 1)
-    return jnp.sum(pairs << shift, axis=-1)
+    lo, hi = jnp.unstack(x.astype(jnp.int32).reshape(*lead, n // 2, 2), axis=-1)
+    return lo | (hi << 8)
 
 
 def codes_from_bytes(x, bits: int):

@@ -126,18 +126,17 @@ def _codes(raw_field, bits):
 
 
 def key_pair_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
-    """Lookup table of the mse key decode, indexed by a pair of codes (plain jnp, outside the kernel).
+    """Lookup tables of the mse key decode, indexed by a pair of codes (plain jnp, outside the kernel).
 
-    Entry ``i`` (``2 * bits`` bits) holds the codes ``lo = i & (2**bits - 1)``
+    Index ``i`` (``2 * bits`` bits) holds the codes ``lo = i & (2**bits - 1)``
     (even element) and ``hi = i >> bits``: for 4-bit keys a whole byte, for
-    3-bit keys a 6-bit field of the 24-bit group word. uint32 ``[4**bits, W]``,
-    one row per entry so that one vector load fetches a whole entry:
+    3-bit keys a 6-bit field of the 24-bit group word. uint32 ``[3, 4**bits]``:
 
-    * 16-bit compute dtypes, ``W = 2``: ``bits(c[lo]) | bits(c[hi]) << 16`` in
-      the compute dtype (one load decodes two elements), then ``|c|^2``;
-    * float32, ``W = 4``: ``bits(c[lo])``, ``|c|^2``, ``bits(c[hi])``, 0.
+    * row 0: 16-bit compute dtypes: ``bits(c[lo]) | bits(c[hi]) << 16`` in the
+      compute dtype (one gather decodes two elements); float32: ``bits(c[lo])``;
+    * row 1: float32 only: ``bits(c[hi])`` (else 0);
+    * row 2: ``c[lo]**2 + c[hi]**2`` as float32 bits (norm correction; else 0).
 
-    ``|c|^2 = c[lo]**2 + c[hi]**2`` as float32 bits (0 without norm correction).
     The rounding of a centroid to the compute dtype is the one the dot would
     apply, so the scores are those of ``q . c[code]`` with rounded operands.
     """
@@ -146,15 +145,15 @@ def key_pair_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
     lo = centroids[i & ((1 << bits) - 1)].astype(jnp.float32)
     hi = centroids[i >> bits].astype(jnp.float32)
     zero = jnp.zeros((n,), jnp.uint32)
-    sq = lax.bitcast_convert_type(lo * lo + hi * hi, jnp.uint32) if norm_correction else zero
     if jnp.dtype(compute_dtype).itemsize == 2:
         def half(x):
             return lax.bitcast_convert_type(x.astype(compute_dtype), jnp.uint16).astype(jnp.uint32)
 
-        cols = [half(lo) | (half(hi) << 16), sq]
+        rows = [half(lo) | (half(hi) << 16), zero]
     else:
-        cols = [lax.bitcast_convert_type(lo, jnp.uint32), sq, lax.bitcast_convert_type(hi, jnp.uint32), zero]
-    return jnp.stack(cols, axis=1)
+        rows = [lax.bitcast_convert_type(lo, jnp.uint32), lax.bitcast_convert_type(hi, jnp.uint32)]
+    rows.append(lax.bitcast_convert_type(lo * lo + hi * hi, jnp.uint32) if norm_correction else zero)
+    return jnp.stack(rows)
 
 
 def _pair_indices(raw_field, bits):
@@ -214,24 +213,18 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref):
             return (km.fp8_bytes_to_float(raw.key[0], cdt),), None
         return (km.fp8_e4m3fn_decode(raw.key[0].astype(jnp.int32)).astype(cdt),), None
     idx = _pair_indices(raw.key, p.key_bits)
-    width = tab_ref.shape[1]
-    col = lax.broadcasted_iota(jnp.int32, (1, 1, width), 2)
-    entry = lax.bitcast_convert_type(tab_ref[idx[:, :, None], col], jnp.int32)  # [BN, Dp/2, W]: one vector load
-    if width == 2:
-        # Column picks as masked sums over the in-thread axis (not a split):
-        # Triton then moves only the pair word between layouts, not |c|^2.
-        pair = jnp.sum(jnp.where(col == 0, entry, 0), axis=2)
-        sq_bits = jnp.sum(jnp.where(col == 1, entry, 0), axis=2)
+    if jnp.dtype(cdt).itemsize == 2:
+        pair = lax.bitcast_convert_type(tab_ref[0, idx], jnp.int32)
         name = jnp.dtype(cdt).name
         parts = (km.half_words_to_float(pair & 0xFFFF, name, cdt),
                  km.half_words_to_float(lax.shift_right_logical(pair, 16), name, cdt))
     else:
-        lo_bits, sq_bits, hi_bits = (jnp.sum(jnp.where(col == j, entry, 0), axis=2) for j in range(3))
-        parts = (lax.bitcast_convert_type(lo_bits, jnp.float32), lax.bitcast_convert_type(hi_bits, jnp.float32))
+        parts = (lax.bitcast_convert_type(tab_ref[0, idx], jnp.float32),
+                 lax.bitcast_convert_type(tab_ref[1, idx], jnp.float32))
     norm = km.half_words_to_float(raw.key_norm, "float16", jnp.float32)
     if not p.norm_correction:
         return parts, norm
-    sq2 = lax.bitcast_convert_type(sq_bits, jnp.float32)
+    sq2 = lax.bitcast_convert_type(tab_ref[2, idx], jnp.float32)
     if spec.head_dim_padded != spec.head_dim:  # pairs past the head hold code 0
         j = lax.broadcasted_iota(jnp.int32, sq2.shape, 1)
         sq2 = jnp.where(j < spec.head_dim // 2, sq2, 0.0)
