@@ -143,9 +143,12 @@ def select_path(problem: DispatchProblem, path: str = "auto") -> str:
     sequence when it is eligible; else ``extend``.
 
     Raises:
+      TypeError: `path` is not a str.
       ValueError: unknown path name.
       NotImplementedError: a forced path that is not eligible, with the reason.
     """
+    if not isinstance(path, str):
+        raise TypeError(f"path: expected a str ('auto' or a path name), got {type(path).__name__}")
     get_preset(problem.preset)
     if path == "auto":
         if problem.num_tokens <= problem.num_seqs:

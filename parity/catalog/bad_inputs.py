@@ -522,13 +522,6 @@ def _attention_rows() -> list[BadInput]:
 # them as xfailed and tests/test_bad_inputs.py marks them xfail(strict=True); remove an entry when
 # the kernel is fixed (a pass is reported as xpassed, a failure).
 KNOWN: dict[str, tuple] = {
-    "attention/path-type": (
-        ("jax", "*", "tq_jax.paged_attention(path=1) raises ValueError (from tq_spec.dispatch.select_path); "
-                     "tq_torch raises TypeError, as DESIGN asks for an argument of the wrong type"),
-        (PAIR, "*", "tq_torch raises TypeError for path=1, tq_jax ValueError")),
-    "attention/empty-batch": (
-        ("jax", "*", "tq_jax.paged_attention with B = 0 sequences raises TypeError (a lax slice of the empty "
-                     "metadata) instead of returning zero rows, as tq_torch and the reference do"),),
     "attention/qsl-not-from-0": (
         (PAIR, "unvalidated:*", "rows before query_start_loc[0] (here row 0 of query_start_loc [1, 2, 4, 4]): "
                                 "tq_torch leaves them unwritten on both paths (NaN: the out= buffer's previous "

@@ -173,3 +173,5 @@ def test_dispatch_table():
     assert dispatch.select_path(prefill, "decode") == "decode"
     with pytest.raises(ValueError, match="path: expected 'auto' or one of"):
         dispatch.select_path(decode, "flash")
+    with pytest.raises(TypeError, match="path: expected a str .* got int"):
+        dispatch.select_path(decode, 1)

@@ -173,7 +173,7 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
     None falls back to `interpret_default()` (direct calls in tests).
     """
     t, hq, d = query.shape
-    if t == 0:
+    if t == 0 or seq_lens.shape[0] == 0:  # no rows, or B = 0: every row is padding (zeros)
         return jnp.zeros(query.shape, query.dtype)
     if interpret is None:
         interpret = interpret_default()
