@@ -399,9 +399,13 @@ def _in_place_at_size(*, e, hq, hkv, d, page, n, prompts, prefill_rows, window, 
     meta = paging.step_metadata(pages, ids, prompts, num_tokens=prefill_rows)
     x = jnp.asarray(rng.standard_normal((prefill_rows, e)), jnp.bfloat16)
     singles = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: jnp.array(a[i]), state)) for i in range(layers)]
+    # One compiled call per layer: XLA's eager op-by-op dispatch rounds differently from any
+    # compiled program (on the H100 eager and jitted layers differ by bf16 ulps, bf16 preset included),
+    # while the scan equals the layers jitted one by one (and jitted unrolled) bit for bit.
+    one_layer = nnx.jit(lambda lyr, h, meta: h + lyr(h, meta))
     h = x
     for lyr in singles:
-        h = h + lyr(h, meta)
+        h = one_layer(lyr, h, meta)
 
     def pure(state, x, meta):
         m = nnx.merge(graphdef, state)
