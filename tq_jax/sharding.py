@@ -218,22 +218,11 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
       single-device result (the path and the decode split count are chosen from
       the global shapes, then forced on every shard).
     """
-    query, kv_cache = array("query", query), array("kv_cache", kv_cache)
-    block_table, seq_lens, query_start_loc = (
-        index_array(n, x) for n, x in (("block_table", block_table), ("seq_lens", seq_lens),
-                                       ("query_start_loc", query_start_loc)))
-    sinks = array("sinks", sinks, optional=True)
-    lay = tq_spec.validation.check_paged_attention(
-        query, kv_cache, block_table, seq_lens, query_start_loc, preset=preset, scale=scale,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
-    check_interpret(interpret)
+    lay, (query, kv_cache, block_table, seq_lens, query_start_loc, sinks) = _attention.checked_arguments(
+        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, preset=preset, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret, validate=validate)
     hq, d = (int(s) for s in query.shape[1:])
     _check_heads(mesh, axis, int(kv_cache.shape[2]), hq)
-    if tq_spec.validation.validate_enabled(validate):
-        validate_values(tq_spec.validation.check_paged_attention_values,
-                        dict(block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc),
-                        query=query, kv_cache=kv_cache, preset=preset, scale=scale,
-                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     # The path and the decode split count of the *global* problem, as the single-device op picks them.
     chosen = _global_path(lay, query, kv_cache, block_table, sliding_window=sliding_window, path=path)
     kp = resolve(lay.preset, d, rotation, codebook)

@@ -101,6 +101,34 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
       tensors included), NotImplementedError for a forced path that cannot
       run the problem and under `jax.grad`/`jax.jvp`.
     """
+    lay, (query, kv_cache, block_table, seq_lens, query_start_loc, sinks) = checked_arguments(
+        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, preset=preset, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, interpret=interpret, validate=validate)
+    t, hq, d = (int(s) for s in query.shape)
+    n, bs, hkv, _ = (int(s) for s in kv_cache.shape)
+    problem = problem_for(query, kv_cache, block_table, preset=lay.preset, sliding_window=sliding_window)
+    chosen = select_path(problem, path)
+    rot, cents = _kernel_tables(lay.preset, d, rotation, codebook)
+    return _paged_attention(
+        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rot, cents,
+        preset_name=lay.preset.name, scale=float(1.0 / math.sqrt(d) if scale is None else scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        path=chosen, num_splits=None, interpret=interpret,
+    )
+
+
+def checked_arguments(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, *, preset, scale,
+                      sliding_window, logits_soft_cap, interpret, validate):
+    """The arrays of a `paged_attention` call, converted and checked (every entry point's first step).
+
+    Shapes and dtypes always (tq_spec.validation, raising its ValueError/TypeError);
+    metadata values too when `validate` (or ``TQ_VALIDATE=1``) asks for them.
+
+    Returns:
+      ``(layout, (query, kv_cache, block_table, seq_lens, query_start_loc, sinks))``: the
+      `tq_spec.layout` of the preset and the arguments as jax arrays (sinks may be None).
+    """
     query, kv_cache = array("query", query), array("kv_cache", kv_cache)
     block_table, seq_lens, query_start_loc = (
         index_array(n, x) for n, x in (("block_table", block_table), ("seq_lens", seq_lens),
@@ -116,18 +144,7 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
                         dict(block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc),
                         query=query, kv_cache=kv_cache, preset=preset, scale=scale,
                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
-    t, hq, d = (int(s) for s in query.shape)
-    n, bs, hkv, _ = (int(s) for s in kv_cache.shape)
-    problem = problem_for(query, kv_cache, block_table, preset=lay.preset, sliding_window=sliding_window)
-    chosen = select_path(problem, path)
-    rot, cents = _kernel_tables(lay.preset, d, rotation, codebook)
-    return _paged_attention(
-        query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rot, cents,
-        preset_name=lay.preset.name, scale=float(1.0 / math.sqrt(d) if scale is None else scale),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        path=chosen, num_splits=None, interpret=interpret,
-    )
+    return lay, (query, kv_cache, block_table, seq_lens, query_start_loc, sinks)
 
 
 @functools.partial(
