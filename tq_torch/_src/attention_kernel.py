@@ -123,28 +123,54 @@ def paged_attention_kernel(
             tl.store(optrs, to_dtype_rne(o, OUT_DTYPE, INTERPRET), mask=dmask)
 
 
+def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int, max_blocks: int,
+               num_blocks: int, page_size: int, num_splits: int, split_kv: bool, has_sinks: bool, fmt: dict,
+               block_m: int, block_n: int, d_pad: int, dot_dtype, out_dtype, interpret: bool, num_warps: int,
+               num_stages: int, maxnreg, prefetch: bool) -> tuple:
+    """The static part of a `paged_attention_kernel` launch: ``(grid, int args, constexpr kwargs)``.
+
+    Depends on static shapes and settings only, so callers cache it (host time
+    matters at B=1 decode); `launch_tiles_spec` adds the per-call tensors.
+    """
+    g = num_q_heads // num_kv_heads
+    block_m = max(block_m, 1 << (g - 1).bit_length())
+    block_q = max(1, block_m // g)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    ints = (num_seqs, g, block_q, num_q_heads, num_splits, num_tokens, num_blocks, max_blocks * page_size)
+    kwargs = dict(
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=has_sinks,
+        SPLIT_KV=split_kv,
+        DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, PREFETCH=prefetch, INTERPRET=interpret, num_warps=num_warps,
+        num_stages=num_stages,
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)), **config.field_bits_constexprs(fmt),
+    )
+    return grid, ints, kwargs
+
+
+def launch_tiles_spec(spec: tuple, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
+                      seq_lens, query_start_loc, sinks, sm_scale: float, softcap: float, window: int) -> None:
+    """Launches `paged_attention_kernel` with a `tiles_spec` of these tensors' static shapes."""
+    grid, ints, kwargs = spec
+    qs, os_, cs = q.stride(), out.stride(), kv_cache.stride()
+    paged_attention_kernel[grid](
+        q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
+        query_start_loc, sinks if sinks is not None else q,
+        qs[0], qs[1], os_[0], os_[1], block_table.stride(0), cs[0], cs[1], cs[2],
+        sm_scale, softcap, window, *ints, **kwargs,
+    )
+
+
 def launch_tiles(q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
                  query_start_loc, sinks, *, num_splits: int, split_kv: bool, fmt: dict, sm_scale: float,
                  softcap: float, window: int, block_m: int, block_n: int, d_pad: int, dot_dtype, out_dtype,
                  interpret: bool, num_warps: int, num_stages: int, maxnreg, prefetch: bool) -> None:
     """Launches `paged_attention_kernel` over every (tile, kv head, split)."""
     t, hq, _ = q.shape
-    num_seqs = block_table.shape[0]
-    hkv = kv_cache.shape[2]
-    g = hq // hkv
-    block_m = max(block_m, 1 << (g - 1).bit_length())
-    block_q = max(1, block_m // g)
-    grid = (t // block_q + num_seqs, hkv, num_splits)
-    paged_attention_kernel[grid](
-        q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
-        query_start_loc, sinks if sinks is not None else q,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        sm_scale, softcap, window, num_seqs, g, block_q, hq, num_splits,
-        t, kv_cache.shape[0], block_table.shape[1] * kv_cache.shape[1],
-        PAGE_SIZE=kv_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=sinks is not None,
-        SPLIT_KV=split_kv,
-        DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, PREFETCH=prefetch, INTERPRET=interpret, num_warps=num_warps,
-        num_stages=num_stages,
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)), **config.field_bits_constexprs(fmt),
-    )
+    spec = tiles_spec(
+        num_tokens=t, num_q_heads=hq, num_kv_heads=kv_cache.shape[2], num_seqs=block_table.shape[0],
+        max_blocks=block_table.shape[1], num_blocks=kv_cache.shape[0], page_size=kv_cache.shape[1],
+        num_splits=num_splits, split_kv=split_kv, has_sinks=sinks is not None, fmt=fmt, block_m=block_m,
+        block_n=block_n, d_pad=d_pad, dot_dtype=dot_dtype, out_dtype=out_dtype, interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, prefetch=prefetch)
+    launch_tiles_spec(spec, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
+                      seq_lens, query_start_loc, sinks, sm_scale, softcap, window)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .kv_tiles import LOG2E
-from .attention_kernel import launch_tiles
+from .attention_kernel import launch_tiles_spec, tiles_spec
 from .kernel_math import to_dtype_rne
 
 
@@ -66,24 +66,49 @@ def _decode_merge_kernel(
              mask=d < D)
 
 
+def decode_spec(*, num_tokens: int, num_q_heads: int, head_dim: int, num_seqs: int, num_splits: int,
+                has_sinks: bool, **tiles) -> tuple:
+    """The static part of a decode launch (split + merge), for `launch_decode_spec`.
+
+    ``tiles`` are `attention_kernel.tiles_spec`'s remaining keywords. Depends on
+    static shapes and settings only, so callers cache it.
+    """
+    t, hq, d = num_tokens, num_q_heads, head_dim
+    rows = t * hq * num_splits
+    split = tiles_spec(num_tokens=t, num_q_heads=hq, num_seqs=num_seqs, num_splits=num_splits, split_kv=True,
+                       has_sinks=has_sinks, **tiles)
+    merge_kwargs = dict(
+        SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=d, D_PAD=tiles["d_pad"], HAS_SINKS=has_sinks,
+        OUT_DTYPE=tiles["out_dtype"], INTERPRET=tiles["interpret"], num_warps=4)
+    return split, (t, hq), rows * (d + 2), (rows * d, rows, rows), hq, num_splits, num_seqs, merge_kwargs
+
+
+def launch_decode_spec(spec: tuple, q, out, kv_cache, cache_i16, centroids, block_table, seq_lens,
+                       query_start_loc, sinks, sm_scale: float, softcap: float, window: int) -> None:
+    """Launches split + merge with a `decode_spec` of these tensors' static shapes."""
+    split, merge_grid, part_numel, part_sizes, hq, num_splits, num_seqs, merge_kwargs = spec
+    # One allocation for the three partial buffers, split in one call (host
+    # time matters at B=1). The kernels index them flat: acc ``[T, Hq, splits,
+    # D]``, m and l ``[T, Hq, splits]``.
+    parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
+    part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
+    launch_tiles_spec(split, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
+                      seq_lens, query_start_loc, sinks, sm_scale, softcap, window)
+    os_ = out.stride()
+    _decode_merge_kernel[merge_grid](
+        part_acc, part_m, part_l, sinks if sinks is not None else part_m, out, query_start_loc,
+        os_[0], os_[1], hq, num_splits, num_seqs, **merge_kwargs,
+    )
+
+
 def launch_decode(q, out, kv_cache, cache_i16, centroids, block_table, seq_lens, query_start_loc,
-                  sinks, *, num_splits: int, block_m: int, **common) -> None:
+                  sinks, *, num_splits: int, block_m: int, fmt: dict, sm_scale: float, softcap: float,
+                  window: int, **tiles) -> None:
     """Launches split + merge. ``q`` is the (rotated) query ``[T, Hq, D]``; ``out`` is written in full."""
     t, hq, d = q.shape
-    dev = q.device
-    # One allocation for the three partial buffers (host time matters at B=1).
-    rows = t * hq * num_splits
-    parts = torch.empty(rows * (d + 2), dtype=torch.float32, device=dev)
-    part_acc = parts[: rows * d].view(t, hq, num_splits, d)
-    part_m = parts[rows * d: rows * (d + 1)].view(t, hq, num_splits)
-    part_l = parts[rows * (d + 1):].view(t, hq, num_splits)
-    launch_tiles(q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
-                 query_start_loc, sinks, num_splits=num_splits, split_kv=True, block_m=block_m, **common)
-    splits_pad = max(2, 1 << (num_splits - 1).bit_length())
-    _decode_merge_kernel[(t, hq)](
-        part_acc, part_m, part_l, sinks if sinks is not None else part_m, out, query_start_loc,
-        out.stride(0), out.stride(1), hq, num_splits, block_table.shape[0],
-        SPLITS_PAD=splits_pad, D=d, D_PAD=common["d_pad"],
-        HAS_SINKS=sinks is not None, OUT_DTYPE=common["out_dtype"], INTERPRET=common["interpret"],
-        num_warps=4,
-    )
+    spec = decode_spec(
+        num_tokens=t, num_q_heads=hq, head_dim=d, num_seqs=block_table.shape[0], num_splits=num_splits,
+        has_sinks=sinks is not None, num_kv_heads=kv_cache.shape[2], max_blocks=block_table.shape[1],
+        num_blocks=kv_cache.shape[0], page_size=kv_cache.shape[1], fmt=fmt, block_m=block_m, **tiles)
+    launch_decode_spec(spec, q, out, kv_cache, cache_i16, centroids, block_table, seq_lens, query_start_loc,
+                       sinks, sm_scale, softcap, window)

@@ -12,14 +12,14 @@ device (no ``.item()``, no data-dependent shapes).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 import tq_spec
 
 from . import config, params
-from .decode import launch_decode
+from .decode import decode_spec, launch_decode_spec
 from .extend import launch_extend
 from .store import launch_store_kv
 from .workspace import launch_dequant
@@ -49,10 +49,62 @@ def _store_kv_fake(key, value, kv_cache, slot_mapping, preset, rotation, midpoin
 
 @functools.lru_cache(maxsize=None)
 def _attention_setup(preset: str, head_dim: int, path: str, interpret: bool):
-    """Per-(preset, D, path) launch facts: format constexprs, padded D, tile settings."""
+    """Per-(preset, D, path) launch facts: format constexprs, padded D, tile settings, and a dict of
+    per-shape launch plans (`_plan`; cleared with this cache, e.g. after `config.TUNING_OVERRIDES` changes)."""
     fmt = config.format_constexprs(tq_spec.layout(preset, head_dim))
     d_pad = config.padded_head_dim(head_dim)
-    return fmt, d_pad, config.attention_tiles(d_pad, interpret, path, config.key_kind(fmt))
+    return fmt, d_pad, config.attention_tiles(d_pad, interpret, path, config.key_kind(fmt)), {}
+
+
+# Bound on the cached launch plans per (preset, D, path): eager prefills bring a new T each call.
+_MAX_PLANS = 256
+
+
+class _Plan(NamedTuple):
+    """What a call of one static signature needs besides its tensors (built once, see `_plan`)."""
+
+    centroids: Optional[torch.Tensor]  # default tables (mse presets), on the call's device
+    rotation_f64_t: Optional[torch.Tensor]
+    decode: Optional[tuple]  # `decode.decode_spec`, decode path only
+
+
+def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+          out: torch.Tensor, sinks: Optional[torch.Tensor], num_splits: int, interpret: bool) -> _Plan:
+    """The cached `_Plan` of a call: every value that depends only on static shapes, dtypes and the device.
+
+    Plain host work (no device reads, no allocation on a hit), so it is safe
+    during CUDA-graph capture; the custom op is opaque to `torch.compile`.
+    """
+    fmt, d_pad, tiles, plans = setup
+    dev = kv_cache.device
+    key = (query.shape, query.dtype, out.dtype, kv_cache.shape, block_table.shape, sinks is None, num_splits, dev)
+    plan = plans.get(key)
+    if plan is not None:
+        return plan
+    t, hq, d = query.shape
+    cents = rot = spec = None
+    if fmt["KEY_FORMAT"] == config.KEY_MSE:
+        cents = params.default_centroids(preset, d, dev)
+        rot = params.default_rotation_f64_t(preset, d, dev)
+    if path == "decode":
+        n, page, hkv, _ = kv_cache.shape
+        num_seqs, max_blocks = block_table.shape
+        splits = num_splits or config.decode_num_splits(
+            num_seqs=num_seqs, num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, head_dim=d,
+            max_context=max_blocks * page, block_n=tiles["block_n"], device=dev, interpret=interpret,
+            programs_per_sm=tiles["programs_per_sm"])
+        spec = decode_spec(
+            num_tokens=t, num_q_heads=hq, head_dim=d, num_seqs=num_seqs, num_splits=splits,
+            has_sinks=sinks is not None, num_kv_heads=hkv, max_blocks=max_blocks, num_blocks=n, page_size=page,
+            fmt=fmt, block_m=config.decode_block_m(hq // hkv), block_n=tiles["block_n"], d_pad=d_pad,
+            dot_dtype=config.TORCH_TO_TL[query.dtype], out_dtype=config.TORCH_TO_TL[out.dtype],
+            interpret=interpret, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+            maxnreg=tiles["maxnreg"], prefetch=tiles["prefetch"])
+    plan = _Plan(cents, rot, spec)
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
 
 
 def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -72,38 +124,33 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
         return
     if path not in tq_spec.dispatch.PATHS:
         raise ValueError(f"path: expected a resolved path (one of {tq_spec.dispatch.PATH_NAMES}), got {path!r}")
-    dev = kv_cache.device
-    interpret = config.interpreted(dev)
-    fmt, d_pad, tiles = _attention_setup(preset, d, "extend" if path == "dequant" else path, interpret)
+    interpret = config.interpreted(kv_cache.device)
+    setup = _attention_setup(preset, d, "extend" if path == "dequant" else path, interpret)
+    fmt, d_pad, tiles, _ = setup
+    plan = _plan(setup, preset, path, query, kv_cache, block_table, out, sinks, num_splits, interpret)
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
-        cents = centroids if centroids is not None else params.default_centroids(preset, d, dev)
+        cents = centroids if centroids is not None else plan.centroids
         # q_rot = Pi @ q once per call, in float64 then rounded to fp32 (immune
         # to a global TF32 setting); scores are taken in the rotated space.
-        rot_t = (params.default_rotation_f64_t(preset, d, dev) if rotation is None
-                 else rotation.to(torch.float64).t())
+        rot_t = plan.rotation_f64_t if rotation is None else rotation.to(torch.float64).t()
         q = torch.matmul(query.to(torch.float64), rot_t).to(torch.float32)
     else:
         q = query if query.stride(-1) == 1 else query.contiguous()
         cents = seq_lens  # dummy pointer, never dereferenced for these formats
+    cache_i16 = kv_cache.view(torch.int16)
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    if path == "decode":
+        launch_decode_spec(plan.decode, q, out, kv_cache, cache_i16, cents, block_table, seq_lens,
+                           query_start_loc, sinks, float(scale), float(logits_soft_cap), int(sliding_window))
+        return
     common = dict(
         fmt=fmt, sm_scale=float(scale), softcap=float(logits_soft_cap), window=int(sliding_window),
         d_pad=d_pad, dot_dtype=config.TORCH_TO_TL[query.dtype], out_dtype=config.TORCH_TO_TL[out.dtype],
         interpret=interpret, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         maxnreg=tiles["maxnreg"], prefetch=tiles["prefetch"], block_n=tiles["block_n"],
     )
-    cache_i16 = kv_cache.view(torch.int16)
-    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
-    if path == "decode":
-        hkv = kv_cache.shape[2]
-        splits = num_splits or config.decode_num_splits(
-            num_seqs=block_table.shape[0], num_kv_heads=hkv, num_tokens=t, num_q_heads=hq,
-            head_dim=d, max_context=block_table.shape[1] * kv_cache.shape[1],
-            block_n=tiles["block_n"], device=dev, interpret=interpret,
-            programs_per_sm=tiles["programs_per_sm"])
-        launch_decode(q, out, kv_cache, cache_i16, cents, block_table, seq_lens, query_start_loc, sinks,
-                      num_splits=splits, block_m=config.decode_block_m(hq // hkv), **common)
-    elif path == "dequant":
+    if path == "dequant":
         raw_tiles = config.attention_tiles(d_pad, interpret, "extend", "raw")
         launch_dequant(q, out, kv_cache, cache_i16, cents, block_table, seq_lens, query_start_loc, sinks,
                        raw_tiles=raw_tiles, **common)

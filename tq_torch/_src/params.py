@@ -50,29 +50,29 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(a, dtype=np.float32).tobytes(), digest_size=16).hexdigest()
 
 
+# The default tables are looked up per call (host time matters at B=1 decode):
+# `tq_spec.quant_params` runs only on a cache miss.
 def default_rotation(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
-    qp = tq_spec.quant_params(preset_name, head_dim)
-    return _cached(("rotation", preset_name, head_dim, str(device)), lambda: _to_device(qp.rotation, device))
+    return _cached(("rotation", preset_name, head_dim, str(device)),
+                   lambda: _to_device(tq_spec.quant_params(preset_name, head_dim).rotation, device))
 
 
 def default_rotation_f64_t(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
     """`default_rotation` (float32 values) as float64, transposed: ``[D, D]`` for ``q @ Pi^T``."""
-    qp = tq_spec.quant_params(preset_name, head_dim)
-    return _cached(("rotation_f64_t", preset_name, head_dim, str(device)),
-                   lambda: torch.from_numpy(np.array(qp.rotation, dtype=np.float32).astype(np.float64).T.copy())
-                   .to(device))
+    def make():
+        rot = tq_spec.quant_params(preset_name, head_dim).rotation
+        return torch.from_numpy(np.array(rot, dtype=np.float32).astype(np.float64).T.copy()).to(device)
+    return _cached(("rotation_f64_t", preset_name, head_dim, str(device)), make)
 
 
 def default_centroids(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
-    qp = tq_spec.quant_params(preset_name, head_dim)
     return _cached(("centroids", preset_name, head_dim, str(device)),
-                   lambda: _to_device(qp.codebook.centroids, device))
+                   lambda: _to_device(tq_spec.quant_params(preset_name, head_dim).codebook.centroids, device))
 
 
 def default_midpoints(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
-    qp = tq_spec.quant_params(preset_name, head_dim)
     return _cached(("midpoints", preset_name, head_dim, str(device)),
-                   lambda: _to_device(qp.codebook.midpoints, device))
+                   lambda: _to_device(tq_spec.quant_params(preset_name, head_dim).codebook.midpoints, device))
 
 
 def resolve_user_params(preset: tq_spec.Preset, head_dim: int, device: torch.device,
