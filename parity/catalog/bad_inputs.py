@@ -522,10 +522,6 @@ def _attention_rows() -> list[BadInput]:
 # them as xfailed and tests/test_bad_inputs.py marks them xfail(strict=True); remove an entry when
 # the kernel is fixed (a pass is reported as xpassed, a failure).
 KNOWN: dict[str, tuple] = {
-    "attention/qsl-not-from-0": (
-        (PAIR, "unvalidated:*", "rows before query_start_loc[0] (here row 0 of query_start_loc [1, 2, 4, 4]): "
-                                "tq_torch leaves them unwritten on both paths (NaN: the out= buffer's previous "
-                                "contents), tq_jax returns zeros as for padding rows"),),
 }
 
 

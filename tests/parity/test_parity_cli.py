@@ -89,14 +89,17 @@ def test_help_lists_options(capsys):
         assert opt in text
 
 
-def test_errors_op_through_the_cli(tmp_path, capsys):
+def test_errors_op_through_the_cli(tmp_path, capsys, monkeypatch):
     """The errors op in `python -m parity`: rows as cases, records per leg and mode, known failures xfailed."""
-    from parity.catalog.bad_inputs import bad_inputs
+    from parity.catalog import bad_inputs as catalog
 
     assert main(["--quick", "--list", "--filter", "errors"]) == 0
     listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("errors:")]
-    assert len(listed) == len(bad_inputs())
-    known = next(r for r in bad_inputs() if r.known)
+    assert len(listed) == len(catalog.bad_inputs())
+    # A row that passes, listed as a known jax failure: the report must call it xpassed, a failure.
+    monkeypatch.setitem(catalog.KNOWN, "attention/all-padding", (("jax", "*", "listed as known by this test"),))
+    known = catalog.row_by_id("attention/all-padding")
+    assert known.known
     rc = main(["--quick", "--filter", f"errors:store/slot-eq-NP,errors:{known.id}", "--jobs", "1", "--no-progress",
                "--report", str(tmp_path)])
     out = capsys.readouterr().out
@@ -107,9 +110,9 @@ def test_errors_op_through_the_cli(tmp_path, capsys):
         "validated:auto", "unvalidated:auto"}
     store = [r for r in recs if r["case_id"] == "errors:store/slot-eq-NP"]
     assert all(r["status"] == "passed" for r in store), [r["detail"] for r in store]
-    # A known failure is reported as xfailed (the run passes), or, once fixed, fails as xpassed.
-    mine = [r for r in recs if r["case_id"] == f"errors:{known.id}"]
-    assert any(r["status"] == "xfailed" for r in mine) or any(r["detail"].startswith("xpassed") for r in mine)
-    assert rc == (0 if not any(r["status"] == "failed" for r in recs) else 1), out
+    # A known failure that passes is reported as xpassed, with status failed, and fails the run.
+    mine = [r for r in recs if r["case_id"] == f"errors:{known.id}" and r["leg"] == "jax"]
+    assert mine and all(r["status"] == "failed" and r["detail"].startswith("xpassed") for r in mine), mine
+    assert rc == 1, out
     md = (tmp_path / "parity.md").read_text()
     assert "- **errors**: " in md

@@ -38,9 +38,9 @@ def _decode_merge_kernel(
     head = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
-    # Rows past query_start_loc[B] are padding (CUDA-graph / bucketed batches):
-    # no split wrote their partials, so they read nothing and come out zero.
-    real = tok < tl.load(qsl_ptr + num_seqs)
+    # Rows outside [query_start_loc[0], query_start_loc[B]) are padding (CUDA-graph /
+    # bucketed batches): no split wrote their partials, so they read nothing and come out zero.
+    real = (tok >= tl.load(qsl_ptr)) & (tok < tl.load(qsl_ptr + num_seqs))
     smask = s < tl.where(real, num_splits, 0)
     part = (tok * num_q_heads + head) * num_splits + s
     m = tl.load(part_m_ptr + part, mask=smask, other=float("-inf"))

@@ -1,6 +1,6 @@
 """Path ``extend``: query-row tiles x key tiles, one pass, output written by the tile
 (prefill, chunked prefill, prefix-cached continuation, mixed batches; any q_len).
-Rows past ``query_start_loc[B]`` (padding) are zeroed by a second, tiny kernel.
+Rows outside ``[query_start_loc[0], query_start_loc[B])`` (padding) are zeroed by a second, tiny kernel.
 
 See `attention_kernel` for the tiling. Tiles are tall (``BLOCK_M`` 64 rows on
 the GPU) so long prefills reuse each dequantised key tile across many queries.
@@ -17,9 +17,10 @@ from .attention_kernel import launch_tiles
 @triton.jit
 def _zero_padding_rows_kernel(out_ptr, qsl_ptr, stride_ot, stride_oh, num_seqs,
                               HQ_PAD: tl.constexpr, D_PAD: tl.constexpr, num_q_heads, D: tl.constexpr):
-    """Zeros row ``t`` of ``out`` when ``t >= query_start_loc[B]`` (padding; no tile owns it)."""
+    """Zeros row ``t`` of ``out`` outside ``[query_start_loc[0], query_start_loc[B])`` (padding;
+    no tile owns it)."""
     tok = tl.program_id(0)
-    if tok >= tl.load(qsl_ptr + num_seqs):
+    if (tok < tl.load(qsl_ptr)) | (tok >= tl.load(qsl_ptr + num_seqs)):
         h = tl.arange(0, HQ_PAD)
         d = tl.arange(0, D_PAD)
         ptrs = out_ptr + tok.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :]
