@@ -103,3 +103,16 @@ def test_store_rejects_odd_cache_strides():
 def test_attention_rejects(kw, exc, match):
     with pytest.raises(exc, match=match):
         _attend(**kw)
+
+
+def test_attention_remembered_call_still_checks_what_varies():
+    """An eager call whose static facts passed before skips those checks (host time); it gives the
+    same output and still checks `out` and, with validate=True, the metadata values."""
+    a = _attn_args()
+    first = _attend(args=a)
+    again = _attend(args=a)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out"):
+        _attend(args=a, out=torch.empty(2, 4, D, device=device()))
+    with pytest.raises(ValueError, match="seq_lens"):
+        _attend(args=dict(a, seq_lens=torch.tensor([3, 99], dtype=torch.int32, device=device())), validate=True)

@@ -143,6 +143,22 @@ def _static_signature(preset, path, query, kv_cache, block_table, seq_lens, quer
             None if sinks is None else (sinks.shape, sinks.dtype))
 
 
+def _remembered_path(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc, scale,
+                     sliding_window, logits_soft_cap, sinks, rotation, codebook):
+    """``(signature, path)``: the call's static signature (None when it is not remembered: traced
+    calls, user rotation/codebook, non-str preset or path, unhashable arguments) and the path a
+    call with that signature resolved to after passing every static check (None if none did)."""
+    if (type(preset) is not str or type(path) is not str or rotation is not None or codebook is not None
+            or torch.compiler.is_compiling()):
+        return None, None
+    try:
+        signature = _static_signature(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc,
+                                      scale, sliding_window, logits_soft_cap, sinks)
+        return signature, _CHECKED.get(signature)
+    except TypeError:
+        return None, None
+
+
 def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale,
                      sliding_window, logits_soft_cap, sinks, rotation, codebook, path, out,
                      num_splits: int, validate=None):
@@ -153,52 +169,35 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
         _expect_tensor(name, x)
     if sinks is not None:
         _expect_tensor("sinks", sinks)
-    signature = None
-    if (type(preset) is str and type(path) is str and rotation is None and codebook is None
-            and not torch.compiler.is_compiling()):
-        # Host time is the cost of a B=1 decode step: an eager call whose static
-        # facts already passed skips the static checks and the dispatcher (same
-        # errors, same order: only passing signatures are remembered).
-        try:
-            signature = _static_signature(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc,
-                                          scale, sliding_window, logits_soft_cap, sinks)
-            chosen = _CHECKED.get(signature)
-        except TypeError:
-            signature = chosen = None
-        if chosen is not None:
-            if validation.validate_enabled(validate):
-                validation.check_paged_attention_values(
-                    query, kv_cache, _host(block_table), _host(seq_lens), _host(query_start_loc), preset=preset,
-                    scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
-            _check_same_device(kv_cache.device, query=query, block_table=block_table, seq_lens=seq_lens,
-                               query_start_loc=query_start_loc, sinks=sinks, out=out)
-            out = _check_out(query, out)
-            ops.paged_attention_impl(
-                query, kv_cache, block_table, seq_lens, query_start_loc, out,
-                None if sinks is None else sinks.contiguous(), None, None, preset,
-                float(1.0 / math.sqrt(query.shape[2]) if scale is None else scale),
-                int(sliding_window or 0), float(logits_soft_cap or 0.0), chosen, int(num_splits))
-            return out
-    lay = validation.check_paged_attention(
-        query, kv_cache, block_table, seq_lens, query_start_loc, preset=p, scale=scale,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    # Host time is the cost of a B=1 decode step: an eager call whose static facts
+    # already passed skips the static checks and the dispatcher (same errors, same
+    # order: only passing signatures are remembered).
+    signature, chosen = _remembered_path(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc,
+                                         scale, sliding_window, logits_soft_cap, sinks, rotation, codebook)
+    if chosen is None:
+        validation.check_paged_attention(
+            query, kv_cache, block_table, seq_lens, query_start_loc, preset=p, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if validation.validate_enabled(validate):
         validation.check_paged_attention_values(
             query, kv_cache, _host(block_table), _host(seq_lens), _host(query_start_loc), preset=p, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
-    if not isinstance(path, str):
-        raise TypeError(f"path: expected a str ('auto' or a path name), got {type(path).__name__}")
     dev = kv_cache.device
-    config.check_device(dev)
+    if chosen is None:
+        if not isinstance(path, str):
+            raise TypeError(f"path: expected a str ('auto' or a path name), got {type(path).__name__}")
+        config.check_device(dev)
     _check_same_device(dev, query=query, block_table=block_table, seq_lens=seq_lens,
                        query_start_loc=query_start_loc, sinks=sinks, out=out)
-    _check_cache_storage(kv_cache)
+    if chosen is None:
+        _check_cache_storage(kv_cache)
     t, hq, d = query.shape
     out = _check_out(query, out)
-    problem = dispatch.problem_for(query, kv_cache, block_table, preset=p.name, sliding_window=sliding_window)
-    chosen = dispatch.select_path(problem, path)
-    kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
-    if signature is not None:
+    if chosen is None:
+        problem = dispatch.problem_for(query, kv_cache, block_table, preset=p.name, sliding_window=sliding_window)
+        chosen = dispatch.select_path(problem, path)
+    kp = params.resolve_user_params(p, d, dev, rotation, codebook)
+    if signature is not None and signature not in _CHECKED:
         # Every check above passed for this signature, and none of them reads
         # a value that the signature leaves out.
         if len(_CHECKED) >= _MAX_CHECKED:
