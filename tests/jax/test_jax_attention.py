@@ -91,6 +91,18 @@ def test_seq9_page16_qlen8():
     _check_all_paths(case)
 
 
+def test_more_sequences_than_one_scan_chunk():
+    """130 sequences: a tile finds its sequence over two 128-sequence chunks of the
+    query_start_loc scan (`attention_kernel._find_sequence`), decode and extend."""
+    rng = np.random.default_rng(130)
+    q_lens = [int(x) for x in rng.integers(0, 3, 130)]
+    seq_lens = [q + int(x) for q, x in zip(q_lens, rng.integers(0, 4, 130))]
+    case = build_attention_case(rng, preset="turboquant_4bit_nc", head_dim=64, num_q_heads=2, num_kv_heads=1,
+                                block_size=2, seq_lens=seq_lens, q_lens=q_lens, q_dtype="bfloat16")
+    for path in ("decode", "extend"):
+        _check(case, attend(case, path))
+
+
 def test_decode_with_empty_splits():
     """More splits than tiles: empty partitions must merge as nothing."""
     rng = np.random.default_rng(12)

@@ -240,3 +240,20 @@ def test_query_start_loc_out_of_rule_stays_in_bounds(path, qsl):
     assert out.shape == clean.shape
     if qsl[:2] == [0, 3]:  # sequence 0 untouched by the bad entries after it
         np.testing.assert_array_equal(out[0:3], clean[0:3])
+
+
+# Bad query_start_loc -> the layout the kernels give it (each row one owner; `_find_sequence`).
+LAID_OUT_QSL = [([0, 3, 1, 5], [0, 3, 3, 5]), ([0, 2**31 - 1, -2**31, 5], [0, 5, 5, 5]),
+                ([0, 4, 2, 5], [0, 4, 4, 5])]
+
+
+@pytest.mark.parametrize("path", _GUARD_PATHS)
+@pytest.mark.parametrize("qsl,laid_out", LAID_OUT_QSL)
+def test_decreasing_query_start_loc_gives_each_row_one_owner(path, qsl, laid_out):
+    """tq_torch's twin: sequence lengths ``max(qsl[b+1] - qsl[b], 0)`` laid out from ``qsl[0]``,
+    so no row has two writers (a GPU write race otherwise); the output equals the valid layout's."""
+    case = _guard_case()
+    expected = _run_raw(case, path, query_start_loc=np.asarray(laid_out, np.int32))
+    got = _run_raw(case, path, query_start_loc=np.asarray(qsl, np.int32))
+    assert not np.isnan(expected).any()
+    np.testing.assert_array_equal(got, expected)

@@ -7,6 +7,7 @@ pages, page tails, out-of-window slots and unused block-table columns.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,19 @@ def test_decode_split_counts(preset, num_splits):
     built = build(case, preset, seed=num_splits)
     out = run_path(built, "decode", num_splits=num_splits)
     check_against_reference(built, out)
+
+
+def test_more_sequences_than_one_scan_chunk():
+    """130 sequences: a tile finds its sequence over two 128-sequence chunks of the
+    query_start_loc scan (`attention_kernel._find_sequence`), decode and extend."""
+    rng = np.random.default_rng(130)
+    q_lens = tuple(int(x) for x in rng.integers(0, 3, 130))
+    seq_lens = tuple(q + int(x) for q, x in zip(q_lens, rng.integers(0, 4, 130)))
+    case = AttnCase("many_sequences", seq_lens=seq_lens, q_lens=q_lens, num_q_heads=2, num_kv_heads=1,
+                    head_dim=64, page=2, extra_blocks=1)
+    built = build(case, "turboquant_4bit_nc")
+    for path in ("decode", "extend"):
+        check_against_reference(built, run_path(built, path))
 
 
 def test_randomized_rotation_and_exact_codebook():

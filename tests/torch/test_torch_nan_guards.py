@@ -154,6 +154,27 @@ def test_query_start_loc_out_of_rule_stays_in_bounds(path, qsl):
         assert torch.equal(out[0:3], clean[0:3])
 
 
+# Bad query_start_loc -> the layout the kernels give it (each row one owner; `_find_sequence`).
+LAID_OUT_QSL = [([0, 3, 1, 5], [0, 3, 3, 5]), ([0, 2**31 - 1, -2**31, 5], [0, 5, 5, 5]),
+                ([0, 4, 2, 5], [0, 4, 4, 5])]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qsl,laid_out", LAID_OUT_QSL)
+def test_decreasing_query_start_loc_gives_each_row_one_owner(path, qsl, laid_out):
+    """A decreasing query_start_loc must not give two sequences the same row (on a GPU that is a
+    write race: parity's errors op saw outputs change between identical calls). Sequence lengths
+    are ``max(qsl[b+1] - qsl[b], 0)``, laid out from ``qsl[0]``: the output equals the one for that
+    valid layout. (The interpreter runs programs in order, so before the fix the later sequence's
+    rows overwrote the earlier one's here.)"""
+    built = build(CASE, "turboquant_4bit_nc")
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=built.query.device)
+    expected = run_path(dataclasses.replace(built, query_start_loc=as_tensor(laid_out)), path)
+    got = run_path(dataclasses.replace(built, query_start_loc=as_tensor(qsl)), path)
+    assert not torch.isnan(expected).any()
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_q_len_beyond_seq_len_sees_nothing(path):
     """q_len 3 over seq_len 1: rows at negative positions see no key (zeros with no sinks)."""

@@ -4,8 +4,9 @@ split of) its visible keys (tq_torch's ``attention_kernel``, in Pallas).
 Grid ``(T // block_q + B, Hkv, num_splits)``. Sequence ``b`` owns tile ids
 ``[qsl[b] // block_q + b, qsl[b+1] // block_q + b + 1)``, enough for
 ``ceil(q_len / block_q)`` tiles; a program finds its sequence as the last one
-whose first tile id is ``<= p`` and exits if its tile is past the sequence's
-queries. The grid depends only on static shapes (no host sync).
+whose first tile id is ``<= p`` (`_find_sequence`, which also gives every row at
+most one owner when the metadata is bad) and exits if its tile is past the
+sequence's queries. The grid depends only on static shapes (no host sync).
 
 A tile packs ``block_q = block_m // G`` query tokens x the ``G`` query heads of
 one kv head into its rows (row ``r``: token ``r // G``, head ``r % G``), so
@@ -100,12 +101,45 @@ def launch_tiles(cfg: AttentionConfig, q, cache, block_table, seq_lens, query_st
     return tuple(outs) if cfg.split_kv else outs[0]
 
 
+SEQ_CHUNK = 128  # sequences scanned per step by `_find_sequence` (tq_torch's SEQ_CHUNK)
+
+
 def _find_sequence(qsl_ref, p, num_seqs: int, num_tokens: int, block_q: int):
-    """The last sequence whose first tile id ``qsl[b] // block_q + b`` is ``<= p`` (one vector load)."""
-    seq = lax.broadcasted_iota(jnp.int32, (km.next_pow2(max(num_seqs, 2)),), 0)
-    seq_c = jnp.minimum(seq, num_seqs - 1)
-    first_tile = km.div_nonneg(jnp.clip(qsl_ref[seq_c], 0, num_tokens), block_q) + seq_c
-    return jnp.sum(jnp.where((seq < num_seqs) & (first_tile <= p), 1, 0)) - 1
+    """Sequence, first row and row count of tile id ``p``: ``(b, q_start, q_len)``, int32 scalars.
+
+    Query rows are laid out from the metadata so that every row has at most one
+    owner whatever ``query_start_loc`` holds: with ``c = clip(qsl, 0, T)``,
+    sequence ``b`` starts at ``s[b] = min(T, c[0] + sum_{j<b} max(c[j+1] - c[j], 0))``
+    and owns ``[s[b], s[b+1])``. For valid metadata ``s == qsl``. ``s`` never
+    decreases, so the first tile ids ``s[b] // block_q + b`` increase and tile
+    ``p`` belongs to the last sequence whose first tile id is ``<= p`` (a tile
+    before the first sequence's rows gets ``b = 0`` and a negative offset: the
+    caller skips it). Sequences are scanned ``SEQ_CHUNK`` at a time (int32
+    prefix sums stay exact for T < 2**31 / (SEQ_CHUNK + 2)).
+    """
+    width = min(km.next_pow2(max(num_seqs, 2)), SEQ_CHUNK)
+    j = lax.broadcasted_iota(jnp.int32, (width,), 0)
+    first = jnp.clip(qsl_ref[0], 0, num_tokens)
+
+    def chunk(c, carry):
+        base, count, q_start = carry
+        idx = c * width + j
+        live = idx < num_seqs
+        idx_c = jnp.minimum(idx, num_seqs - 1)
+        lo = jnp.clip(qsl_ref[idx_c], 0, num_tokens)
+        hi = jnp.clip(qsl_ref[idx_c + 1], 0, num_tokens)
+        grow = jnp.where(live, jnp.maximum(hi - lo, 0), 0)
+        s = jnp.minimum(base + jnp.cumsum(grow) - grow, num_tokens)
+        take = live & (km.div_nonneg(s, block_q) + idx <= p)
+        return (jnp.minimum(base + jnp.sum(grow), num_tokens), count + jnp.sum(take.astype(jnp.int32)),
+                jnp.maximum(q_start, jnp.max(jnp.where(take, s, 0))))
+
+    init = (first, jnp.int32(0), first)
+    n_chunks = -(-num_seqs // width)
+    _, count, q_start = chunk(0, init) if n_chunks == 1 else lax.fori_loop(0, n_chunks, chunk, init)
+    b = jnp.maximum(count - 1, 0)
+    grow_b = jnp.maximum(jnp.clip(qsl_ref[b + 1], 0, num_tokens) - jnp.clip(qsl_ref[b], 0, num_tokens), 0)
+    return b, q_start, jnp.minimum(q_start + grow_b, num_tokens) - q_start
 
 
 def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tables: bool, has_sinks: bool,
@@ -128,9 +162,7 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
     # to what the block table can address, block ids outside [0, N) mask their
     # keys (`kv_tiles.load_block_ids`).
     t_total = q_ref.shape[0]
-    b = jnp.maximum(_find_sequence(qsl_ref, p, num_seqs, t_total, bq), 0)
-    q_start = jnp.clip(qsl_ref[b], 0, t_total)
-    q_len = jnp.clip(qsl_ref[b + 1], q_start, t_total) - q_start
+    b, q_start, q_len = _find_sequence(qsl_ref, p, num_seqs, t_total, bq)
     tok0 = (p - (km.div_nonneg(q_start, bq) + b)) * bq
 
     @pl.when((tok0 >= 0) & (tok0 < q_len))

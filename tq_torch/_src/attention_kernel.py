@@ -3,9 +3,10 @@ split of) its visible keys.
 
 Grid ``(T // BLOCK_Q + B, Hkv, num_splits)``. Sequence ``b`` owns tile ids
 ``[qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1)``, enough for
-``ceil(q_len / BLOCK_Q)`` tiles; a program finds its sequence by binary search
-and exits if its tile is past the sequence's queries. The grid depends only on
-static shapes (no host sync; CUDA-graph safe).
+``ceil(q_len / BLOCK_Q)`` tiles; a program finds its sequence by a scan of
+``query_start_loc`` (`_find_sequence`, which also gives every row at most one
+owner when the metadata is bad) and exits if its tile is past the sequence's
+queries. The grid depends only on static shapes (no host sync; CUDA-graph safe).
 
 A tile packs ``BLOCK_Q = BLOCK_M // G`` query tokens x the ``G`` query heads of
 one kv head into its rows (row ``r``: token ``r // G``, head ``r % G``), so
@@ -37,6 +38,47 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
+def _find_sequence(qsl_ptr, pid, num_seqs, num_tokens, block_q, SEQ_CHUNK: tl.constexpr):
+    """Sequence, first row and row count of tile id ``pid``: ``(seq, q_start, q_len)``, int32 scalars.
+
+    Query rows are laid out from the metadata so that every row has at most one
+    owner whatever ``query_start_loc`` holds: with ``c = clamp(qsl, 0, T)``,
+    sequence ``b`` starts at ``s[b] = min(T, c[0] + sum_{j<b} max(c[j+1] - c[j], 0))``
+    and owns ``[s[b], s[b+1])``. For valid metadata ``s == qsl``. ``s`` never
+    decreases, so the first tile ids ``s[b] // block_q + b`` increase and tile
+    ``pid`` belongs to the last sequence whose first tile id is ``<= pid``
+    (a tile before the first sequence's rows gets ``seq = 0`` and a negative
+    offset: the caller skips it). Sequences are scanned ``SEQ_CHUNK`` at a time
+    (int32 prefix sums stay exact for T < 2**31 / (SEQ_CHUNK + 2)); the scan
+    stops at the first chunk holding a later sequence.
+    """
+    j = tl.arange(0, SEQ_CHUNK)
+    base = _clamp(tl.load(qsl_ptr), 0, num_tokens)  # s[start], already capped at T
+    q_start = base
+    count = pid * 0
+    start = pid * 0
+    stop = pid * 0 + num_seqs
+    while start < stop:
+        idx = start + j
+        live = idx < num_seqs
+        lo = _clamp(tl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
+        hi = _clamp(tl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
+        grow = tl.where(live, tl.maximum(hi - lo, 0), 0)
+        s = tl.minimum(base + tl.cumsum(grow, axis=0) - grow, num_tokens)
+        take = live & (s // block_q + idx <= pid)
+        count += tl.sum(take.to(tl.int32), axis=0)
+        q_start = tl.maximum(q_start, tl.max(tl.where(take, s, 0), axis=0))
+        base = tl.minimum(base + tl.sum(grow, axis=0), num_tokens)
+        stop = tl.where(tl.sum((live & ~take).to(tl.int32), axis=0) > 0, 0, stop)
+        start += SEQ_CHUNK
+    seq = tl.maximum(count - 1, 0)
+    grow_b = tl.maximum(_clamp(tl.load(qsl_ptr + seq + 1), 0, num_tokens)
+                        - _clamp(tl.load(qsl_ptr + seq), 0, num_tokens), 0)
+    q_len = tl.minimum(q_start + grow_b, num_tokens) - q_start
+    return seq, q_start, q_len
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     cache_u8, cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,
@@ -49,29 +91,19 @@ def paged_attention_kernel(
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
     RAW_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT_KV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr = 128,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    # Largest sequence b with first_tile(b) = qsl[b] // block_q + b <= pid.
-    # (`pid * 0 + ...` keeps both bounds int32 tensors even when Triton
-    # specialises num_seqs == 1 into a constant.) Metadata guards, always on
-    # (no value of qsl/seq_lens/block_table may move an access outside the
-    # op's buffers): query ranges are clamped to [0, T], lengths to what the
+    # Metadata guards, always on (no value of qsl/seq_lens/block_table may move an
+    # access outside the op's buffers, and no output row gets two writers): query
+    # ranges are laid out by `_find_sequence`, lengths are clamped to what the
     # block table can address, and block ids outside [0, N) mask their keys.
-    lo = pid * 0
-    hi = pid * 0 + num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        take = _clamp(tl.load(qsl_ptr + mid), 0, num_tokens) // block_q + mid <= pid
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid - 1)
-    seq = lo
-    q_start = _clamp(tl.load(qsl_ptr + seq), 0, num_tokens)
-    q_len = _clamp(tl.load(qsl_ptr + seq + 1), q_start, num_tokens) - q_start
+    seq, q_start, q_len = _find_sequence(qsl_ptr, pid, num_seqs, num_tokens, block_q, SEQ_CHUNK)
     seq_len = _clamp(tl.load(seq_lens_ptr + seq), 0, max_seq_len)
     tok0 = (pid - (q_start // block_q + seq)) * block_q
-    if tok0 < q_len:
+    if (tok0 >= 0) & (tok0 < q_len):
         d = tl.arange(0, D_PAD)
         r = tl.arange(0, BLOCK_M)
         tok = tok0 + r // group
