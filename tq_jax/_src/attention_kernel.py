@@ -117,6 +117,9 @@ def _find_sequence(qsl_ref, p, num_seqs: int, num_tokens: int, block_q: int):
     caller skips it). Sequences are scanned ``SEQ_CHUNK`` at a time (int32
     prefix sums stay exact for T < 2**31 / (SEQ_CHUNK + 2)).
     """
+    if num_seqs == 1:  # one sequence (the B = 1 decode latency case): no scan
+        q_start = jnp.clip(qsl_ref[0], 0, num_tokens)
+        return jnp.int32(0), q_start, jnp.clip(qsl_ref[1], q_start, num_tokens) - q_start
     width = min(km.next_pow2(max(num_seqs, 2)), SEQ_CHUNK)
     j = lax.broadcasted_iota(jnp.int32, (width,), 0)
     first = jnp.clip(qsl_ref[0], 0, num_tokens)

@@ -52,29 +52,36 @@ def _find_sequence(qsl_ptr, pid, num_seqs, num_tokens, block_q, SEQ_CHUNK: tl.co
     (int32 prefix sums stay exact for T < 2**31 / (SEQ_CHUNK + 2)); the scan
     stops at the first chunk holding a later sequence.
     """
-    j = tl.arange(0, SEQ_CHUNK)
-    base = _clamp(tl.load(qsl_ptr), 0, num_tokens)  # s[start], already capped at T
-    q_start = base
-    count = pid * 0
-    start = pid * 0
-    stop = pid * 0 + num_seqs
-    while start < stop:
-        idx = start + j
-        live = idx < num_seqs
-        lo = _clamp(tl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
-        hi = _clamp(tl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
-        grow = tl.where(live, tl.maximum(hi - lo, 0), 0)
-        s = tl.minimum(base + tl.cumsum(grow, axis=0) - grow, num_tokens)
-        take = live & (s // block_q + idx <= pid)
-        count += tl.sum(take.to(tl.int32), axis=0)
-        q_start = tl.maximum(q_start, tl.max(tl.where(take, s, 0), axis=0))
-        base = tl.minimum(base + tl.sum(grow, axis=0), num_tokens)
-        stop = tl.where(tl.sum((live & ~take).to(tl.int32), axis=0) > 0, 0, stop)
-        start += SEQ_CHUNK
-    seq = tl.maximum(count - 1, 0)
-    grow_b = tl.maximum(_clamp(tl.load(qsl_ptr + seq + 1), 0, num_tokens)
-                        - _clamp(tl.load(qsl_ptr + seq), 0, num_tokens), 0)
-    q_len = tl.minimum(q_start + grow_b, num_tokens) - q_start
+    if num_seqs == 1:
+        # (Triton specialises an int argument equal to 1 into a constant: the
+        # single-sequence kernel, the B = 1 decode latency case, skips the scan.)
+        seq = pid * 0
+        q_start = _clamp(tl.load(qsl_ptr), 0, num_tokens)
+        q_len = _clamp(tl.load(qsl_ptr + 1), q_start, num_tokens) - q_start
+    else:
+        j = tl.arange(0, SEQ_CHUNK)
+        base = _clamp(tl.load(qsl_ptr), 0, num_tokens)  # s[start], already capped at T
+        q_start = base
+        count = pid * 0
+        start = pid * 0
+        stop = pid * 0 + num_seqs
+        while start < stop:
+            idx = start + j
+            live = idx < num_seqs
+            lo = _clamp(tl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
+            hi = _clamp(tl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
+            grow = tl.where(live, tl.maximum(hi - lo, 0), 0)
+            s = tl.minimum(base + tl.cumsum(grow, axis=0) - grow, num_tokens)
+            take = live & (s // block_q + idx <= pid)
+            count += tl.sum(take.to(tl.int32), axis=0)
+            q_start = tl.maximum(q_start, tl.max(tl.where(take, s, 0), axis=0))
+            base = tl.minimum(base + tl.sum(grow, axis=0), num_tokens)
+            stop = tl.where(tl.sum((live & ~take).to(tl.int32), axis=0) > 0, 0, stop)
+            start += SEQ_CHUNK
+        seq = tl.maximum(count - 1, 0)
+        grow_b = tl.maximum(_clamp(tl.load(qsl_ptr + seq + 1), 0, num_tokens)
+                            - _clamp(tl.load(qsl_ptr + seq), 0, num_tokens), 0)
+        q_len = tl.minimum(q_start + grow_b, num_tokens) - q_start
     return seq, q_start, q_len
 
 
