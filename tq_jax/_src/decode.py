@@ -40,15 +40,29 @@ def merge_partials(acc, m, l, *, sinks, out_dtype):
     (NaN query, key or value) counts as seen, so the NaN reaches the output.
     """
     m_max = jnp.max(m, axis=2)  # [T, Hq]
-    seen = jnp.sum(l, axis=2) != 0.0  # not `> 0`: NaN must count as seen
+    seen = _sum_splits(l) != 0.0  # not `> 0`: NaN must count as seen
     m_ref = jnp.where(seen, m_max, 0.0)
     if sinks is not None:
         m_ref = jnp.maximum(m_ref, sinks.astype(jnp.float32)[None])
     w = jnp.exp(m - m_ref[:, :, None])  # empty splits: exp(-inf) = 0
-    denom = jnp.sum(w * l, axis=2)
-    num = jnp.sum(w[..., None] * acc, axis=2)
+    denom = _sum_splits(w * l)
+    num = _sum_splits(w[..., None] * acc)
     if sinks is not None:
         denom = denom + jnp.exp(sinks.astype(jnp.float32)[None] - m_ref)
     out = num / jnp.where(seen, denom, 1.0)[..., None]
     out = jnp.where(seen[..., None], out, 0.0)
     return out.astype(out_dtype)
+
+
+def _sum_splits(x):
+    """``x.sum(axis=2)`` added split by split, in order (one XLA fusion).
+
+    A `jnp.sum` reduction's order is XLA's choice and depends on the whole
+    shape; a fixed order makes a row's result independent of how many tokens
+    and heads share the call, so `tq_jax.sharding` (half the heads per device)
+    is bit for bit the single-device op on GPUs too.
+    """
+    total = x[:, :, 0]
+    for s in range(1, x.shape[2]):
+        total = total + x[:, :, s]
+    return total
