@@ -77,6 +77,21 @@ def _dequant_ineligible(problem: DispatchProblem) -> Optional[str]:
     return None
 
 
+def decode_tile_rows(group_size: int) -> int:
+    """Query rows of one ``decode`` tile: the GQA group padded to a power of two >= 16.
+
+    16 is the smallest M of a tensor-core dot. The spare rows take the
+    sequence's next query tokens, so each K/V byte a tile reads serves
+    ``decode_tile_tokens(group_size)`` tokens of the whole group at once.
+    """
+    return max(16, 1 << (group_size - 1).bit_length())
+
+
+def decode_tile_tokens(group_size: int) -> int:
+    """Query tokens of one sequence that share a ``decode`` tile (16 at G = 1, 4 at G = 4, 1 at G >= 16)."""
+    return decode_tile_rows(group_size) // group_size
+
+
 # `auto` takes ``dequant`` for batches with at least this many query rows per
 # sequence on average (prefills, chunked prefills, mixed batches), where the
 # extend tiles would dequantise each key once per row tile.
@@ -137,8 +152,10 @@ def eligible_paths(problem: DispatchProblem) -> tuple[str, ...]:
 def select_path(problem: DispatchProblem, path: str = "auto") -> str:
     """The path to run: `path` if forced (and eligible), else the automatic choice.
 
-    Automatic: ``decode`` when ``num_tokens <= num_seqs`` (at most one query per
-    sequence on average: a decode or decode-dominated batch); else ``dequant``
+    Automatic: ``decode`` when ``num_tokens <= num_seqs * decode_tile_tokens(G)``
+    (the average sequence's queries fit one decode tile: decode steps and
+    multi-token decode such as speculative verification, where each split
+    program reads its keys once for every query of the tile); else ``dequant``
     for a quantised preset with at least `DEQUANT_MIN_TOKENS_PER_SEQ` rows per
     sequence when it is eligible; else ``extend``.
 
@@ -151,7 +168,7 @@ def select_path(problem: DispatchProblem, path: str = "auto") -> str:
         raise TypeError(f"path: expected a str ('auto' or a path name), got {type(path).__name__}")
     get_preset(problem.preset)
     if path == "auto":
-        if problem.num_tokens <= problem.num_seqs:
+        if problem.num_tokens <= problem.num_seqs * decode_tile_tokens(problem.group_size):
             choice = "decode"
         elif (get_preset(problem.preset).key_format != "raw"
               and problem.num_tokens >= DEQUANT_MIN_TOKENS_PER_SEQ * problem.num_seqs

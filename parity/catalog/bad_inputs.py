@@ -49,7 +49,7 @@ from .sweeps import rng_for
 # The base problem: preset, D, Hq, Hkv, P, N and the batch ((seq_len, q_len) per sequence).
 BASE_PRESET = "turboquant_4bit_nc"
 BASE_D, BASE_HQ, BASE_HKV, BASE_P, BASE_N = 64, 4, 2, 4, 8
-BASE_SEQS = ((5, 1), (7, 2), (3, 1))  # T = 4 > B = 3: auto picks extend; both paths are forced too
+BASE_SEQS = ((5, 1), (7, 2), (3, 1))  # T = 4 <= 3 * 8 (G = 2): auto picks decode; both paths are forced too
 BASE_WIDTH = 3  # block_table columns: capacity 12 tokens per sequence
 MODES = ("validated", "unvalidated")
 LEGS = ("torch", "jax")

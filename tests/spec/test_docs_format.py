@@ -63,19 +63,29 @@ def test_offsets_table_at_d128(name):
 
 
 def test_auto_rule_as_documented():
-    # "path="auto" picks decode when T <= B; else dequant for a quantised preset when T >= 16 * B
-    # and dequant is eligible; else extend"
+    # "path="auto" picks decode when T <= B * (R / G) [R = max(16, next pow2 >= G)]; else dequant
+    # for a quantised preset when T >= 16 * B and dequant is eligible; else extend"
     text = open(DOC, encoding="utf-8").read()
-    assert "picks `decode` when `T <= B`" in text and "`T >= 16 * B`" in text
+    assert "picks `decode` when `T <= B * (R / G)`" in text and "`R = max(16, next power of two >= G)`" in text
+    assert "`T >= 16 * B`" in text
     dispatch = tq_spec.dispatch
+    # Hq 8 / Hkv 2: G = 4, R = 16, 4 queries per sequence share a decode tile.
     for t, b, preset, dtype, want in ((1, 1, "bf16", "bfloat16", "decode"), (4, 4, "bf16", "bfloat16", "decode"),
                                       (3, 4, "turboquant_4bit_nc", "bfloat16", "decode"),
-                                      (5, 4, "turboquant_4bit_nc", "bfloat16", "extend"),
+                                      (16, 4, "turboquant_4bit_nc", "bfloat16", "decode"),
+                                      (17, 4, "turboquant_4bit_nc", "bfloat16", "extend"),
                                       (64, 4, "turboquant_4bit_nc", "bfloat16", "dequant"),
                                       (64, 4, "turboquant_k8v4", "float16", "dequant"),
                                       (64, 4, "turboquant_4bit_nc", "float32", "extend"),
                                       (64, 4, "bf16", "bfloat16", "extend")):
         problem = dispatch.DispatchProblem(t, b, 8, 2, 128, 16, preset, query_dtype=dtype, max_blocks=8)
         assert dispatch.select_path(problem) == want, (t, b, preset, dtype)
+    # The tile size, and so the threshold, follows the group: (Hq, Hkv) -> last T of decode at B = 2.
+    for hq, hkv, last in ((8, 8, 32), (16, 8, 16), (32, 4, 4), (48, 4, 2), (32, 2, 2), (64, 4, 2), (64, 2, 2)):
+        g = hq // hkv
+        assert dispatch.decode_tile_rows(g) == max(16, 1 << (g - 1).bit_length())
+        for t in (last, last + 1):
+            problem = dispatch.DispatchProblem(t, 2, hq, hkv, 128, 16, "turboquant_4bit_nc")
+            assert dispatch.select_path(problem) == ("decode" if t == last else "extend"), (hq, hkv, t)
     assert dispatch.PATH_NAMES == ("decode", "extend", "dequant")
     assert "1 GiB" in text and dispatch.DEQUANT_WORKSPACE_BYTES == 1 << 30

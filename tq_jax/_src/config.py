@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 import tq_spec
+from tq_spec import dispatch
 
 from . import kernel_math as km
 
@@ -86,12 +87,13 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
 
 
 def decode_block_m(group_size: int) -> int:
-    """Rows of a decode tile: the whole GQA group, padded to a power of two >= 16 (dot minimum).
+    """Rows of a decode tile (`tq_spec.dispatch.decode_tile_rows`, which the auto rule uses).
 
-    The spare rows take the sequence's next query tokens, so a multi-token
-    decode step (q_len 2-8) reads each K/V byte once per tile, not per token.
+    The whole GQA group, padded to a power of two >= 16 (dot minimum). The
+    spare rows take the sequence's next query tokens, so a multi-token decode
+    step (q_len 2-8) reads each K/V byte once per tile, not per token.
     """
-    return max(16, km.next_pow2(group_size))
+    return dispatch.decode_tile_rows(group_size)
 
 
 def sm_count() -> int:

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 import tq_spec
+from tq_spec import dispatch
 
 # Integer codes the kernels branch on (constexpr), derived from tq_spec presets.
 KEY_RAW, KEY_FP8, KEY_MSE = 0, 1, 2
@@ -164,8 +165,12 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
 
 
 def decode_block_m(group_size: int) -> int:
-    """Rows of a decode tile: the whole GQA group, padded to a power of two >= 16 (tl.dot)."""
-    return max(16, next_pow2(group_size))
+    """Rows of a decode tile (`tq_spec.dispatch.decode_tile_rows`, which the auto rule uses).
+
+    The whole GQA group, padded to a power of two >= 16 (tl.dot minimum); the
+    spare rows take the sequence's next query tokens.
+    """
+    return dispatch.decode_tile_rows(group_size)
 
 
 def decode_num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int,
