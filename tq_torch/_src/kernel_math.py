@@ -84,17 +84,45 @@ def dot(a, b, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 def table_lookup(table_ptr, index, INTERPRET: tl.constexpr):
     """``table_ptr[index]`` (fp32) for a small table read through the read-only cache.
 
-    On the GPU this is an inline load rather than `tl.load` so that Triton's
-    software pipeliner does not stage the gathered tile through a
-    bank-conflicted shared-memory ring (it pipelines every `tl.load` that
-    feeds a dot); a 16-entry table stays in one L1 line instead.
+    ``index``: int32, non-negative. On the GPU this is an inline load rather
+    than `tl.load` so that Triton's software pipeliner does not stage the
+    gathered tile through a bank-conflicted shared-memory ring (it pipelines
+    every `tl.load` that feeds a dot); a 16-entry table stays in one L1 line
+    instead. The address is one unsigned wide multiply-add in the same asm
+    (``tl.load(ptr + index)`` sign-extends and shifts: three integer
+    instructions per element).
     """
     if INTERPRET:
         return tl.load(table_ptr + index)
     else:
         return tl.inline_asm_elementwise(
-            "ld.global.nc.f32 $0, [$1];", "=r,l", [table_ptr + index],
+            "{ .reg .b64 a; mad.wide.u32 a, $1, 4, $2; ld.global.nc.f32 $0, [a]; }", "=r,r,l",
+            [index, tl.broadcast_to(table_ptr, index.shape)],
             dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def biased_code_operand(codes, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Integer codes ``[BN, D]`` int32 in ``[0, 128)`` -> ``(codes + bias`` as a dot operand, ``bias)``.
+
+    The 16-bit float with bit pattern ``0x4300 | c`` (bfloat16) or ``0x6400 | c``
+    (float16) is exactly ``128 + c`` or ``1024 + c``: one OR per element
+    instead of an int -> float conversion (I2F issues at a quarter of the
+    integer rate). The caller takes ``bias * sum(P * scale)`` back out of
+    ``(P * scale) @ (codes + bias)``. fp32 operands are the codes themselves.
+    """
+    if DOT_DTYPE == tl.bfloat16:
+        x = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        bias = 128.0
+    elif DOT_DTYPE == tl.float16:
+        x = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        bias = 1024.0
+    else:
+        x = codes.to(tl.float32)
+        bias = 0.0
+    if INTERPRET:
+        x = x.to(tl.float32)  # `dot` takes fp32 tiles holding DOT_DTYPE values there
+    return x, bias
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernel_math import dot, dot_operand, table_lookup, tanh_f32
+from .kernel_math import biased_code_operand, dot, dot_operand, table_lookup, tanh_f32
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
@@ -44,15 +44,21 @@ def load_block_ids(bt_ptr, bt_row, keys, key_valid, num_blocks, PAGE_SIZE: tl.co
     """
     # The page size is a constexpr (one compile per page size): a division by
     # a runtime value costs ~20 integer instructions per key.
-    blk = tl.load(bt_ptr + bt_row + keys // PAGE_SIZE, mask=key_valid, other=-1)
+    # Unsigned (keys >= 0): a signed division by a power of two needs a rounding fix-up.
+    blk = tl.load(bt_ptr + bt_row + (keys.to(tl.uint32) // PAGE_SIZE).to(tl.int32), mask=key_valid, other=-1)
     return tl.where((blk >= 0) & (blk < num_blocks), blk, -1)
 
 
 @triton.jit
-def slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE: tl.constexpr):
-    """int64 byte offset of the slot of each key position (``keys [BN]``, block ids ``blk``)."""
-    return (blk.to(tl.int64) * stride_cn + (keys % PAGE_SIZE).to(tl.int64) * stride_cp
-            + kv_head * stride_ch)
+def slot_word_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE: tl.constexpr):
+    """int64 offset in 16-bit words of the slot of each key position (``keys [BN]``, block ids ``blk``).
+
+    ``stride_*``: the cache's byte strides, all even (slots are 2-byte aligned). Halving the
+    strides once per program, rather than each key's byte offset, saves a signed int64
+    division per key and field.
+    """
+    return (blk.to(tl.int64) * (stride_cn >> 1) + (keys.to(tl.uint32) % PAGE_SIZE).to(tl.int64) * (stride_cp >> 1)
+            + kv_head * (stride_ch >> 1))
 
 
 @triton.jit
@@ -78,11 +84,11 @@ def _interleave_quads(a, b):
 
 
 @triton.jit
-def fetch_field(cache_u8, cache_i16, field_base, key_valid, D: tl.constexpr, D_PAD: tl.constexpr,
+def fetch_field(cache_u8, cache_i16, field_word, key_valid, D: tl.constexpr, D_PAD: tl.constexpr,
                 BITS: tl.constexpr):
     """Issues the loads of one packed field of ``BN`` keys; returns the raw words ``(a, b, c)``.
 
-    ``field_base [BN]``: even byte offsets. ``BITS`` 16 (raw fp16/bf16
+    ``field_word [BN]``: offsets in 16-bit words. ``BITS`` 16 (raw fp16/bf16
     elements), 8 (fp8) or 4: 16-bit words ``a [BN, D_PAD * BITS / 16]`` (``b``,
     ``c`` alias ``a``). ``BITS`` 3: 8 codes per 3 unaligned bytes, so three
     byte planes ``[BN, D_PAD / 8]``. Nothing here uses the loaded values, so
@@ -92,7 +98,7 @@ def fetch_field(cache_u8, cache_i16, field_base, key_valid, D: tl.constexpr, D_P
     if BITS == 3:
         g = tl.arange(0, D_PAD // 8)
         m = key_valid[:, None] & (g < D // 8)[None, :]
-        addr = cache_u8 + field_base[:, None] + (3 * g)[None, :]
+        addr = cache_u8 + (2 * field_word)[:, None] + (3 * g)[None, :]
         a = tl.load(addr, mask=m, other=0)
         b = tl.load(addr + 1, mask=m, other=0)
         c = tl.load(addr + 2, mask=m, other=0)
@@ -101,7 +107,7 @@ def fetch_field(cache_u8, cache_i16, field_base, key_valid, D: tl.constexpr, D_P
         NW: tl.constexpr = D_PAD * BITS // 16
         i = tl.arange(0, NW)
         m = key_valid[:, None] & (i < D * BITS // 16)[None, :]
-        a = tl.load(cache_i16 + (field_base // 2)[:, None] + i[None, :], mask=m, other=0)
+        a = tl.load(cache_i16 + field_word[:, None] + i[None, :], mask=m, other=0)
         return a, a, a
 
 
@@ -116,10 +122,10 @@ def decode_field(a, b, c, BITS: tl.constexpr):
     if BITS == 16:
         return a
     elif BITS == 8:
-        w = a.to(tl.int32)
+        w = a.to(tl.uint16, bitcast=True).to(tl.int32)  # zero-extend: no sign fix-ups per field
         return _interleave(w & MASK, (w >> 8) & MASK)
     elif BITS == 4:
-        w = a.to(tl.int32)
+        w = a.to(tl.uint16, bitcast=True).to(tl.int32)  # zero-extend: no sign fix-ups per field
         return _interleave(_interleave(w & MASK, (w >> 8) & MASK),
                            _interleave((w >> 4) & MASK, (w >> 12) & MASK))
     else:  # 3 bits: 8 fields of a 24-bit little-endian word
@@ -135,22 +141,24 @@ def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
                   D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr,
                   KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
                   VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr):
-    """Issues every load of a K/V tile (slots ``[BN]``); returns the raw words for `decode_*`.
+    """Issues every load of a K/V tile (slot offsets ``[BN]`` in 16-bit words); returns the raw words.
+
+    The ``*_OFF`` byte offsets are even constexprs.
 
     ``*_FIELD_BITS``: bits per stored element (raw 16, fp8 8, codes 3 or 4).
     """
     ka, kb, kc = fetch_field(cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FIELD_BITS)
     if KEY_FORMAT == 2:
-        knorm = tl.load(cache_i16 + (slot + KEY_NORM_OFF) // 2, mask=key_valid, other=0)
+        knorm = tl.load(cache_i16 + slot + KEY_NORM_OFF // 2, mask=key_valid, other=0)
     else:
         knorm = tl.zeros(key_valid.shape, tl.int16)
-    va, vb, vc = fetch_field(cache_u8, cache_i16, slot + VALUE_OFF, key_valid, D, D_PAD, VALUE_FIELD_BITS)
+    va, vb, vc = fetch_field(cache_u8, cache_i16, slot + VALUE_OFF // 2, key_valid, D, D_PAD, VALUE_FIELD_BITS)
     if VALUE_FORMAT == 0:
         vscale = tl.zeros(key_valid.shape, tl.int16)
         vzero = vscale
     else:
-        vscale = tl.load(cache_i16 + (slot + VALUE_SCALE_OFF) // 2, mask=key_valid, other=0)
-        vzero = tl.load(cache_i16 + (slot + VALUE_ZERO_OFF) // 2, mask=key_valid, other=0)
+        vscale = tl.load(cache_i16 + slot + VALUE_SCALE_OFF // 2, mask=key_valid, other=0)
+        vzero = tl.load(cache_i16 + slot + VALUE_ZERO_OFF // 2, mask=key_valid, other=0)
     return ka, kb, kc, knorm, va, vb, vc, vscale, vzero
 
 
@@ -161,7 +169,7 @@ def _fetch_keys(cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, s
                 VALUE_FIELD_BITS: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
                 VALUE_ZERO_OFF: tl.constexpr):
     """`fetch_kv_tile` of key positions ``keys [BN]`` in pages ``blk`` (block ids, -1 = masked)."""
-    slot = slot_byte_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
+    slot = slot_word_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
     return fetch_kv_tile(cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS,
                          KEY_NORM_OFF, VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF,
                          VALUE_ZERO_OFF)
@@ -288,19 +296,24 @@ def _key_loop(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_scale, v_zero = decode_value_tile(c_va, c_vb, c_vc, c_vscale, c_vzero, c_valid, VALUE_FORMAT,
-                                               VALUE_FIELD_BITS, RAW_DTYPE)
-        # P @ (codes * scale + zero) = (P * scale) @ codes + P @ zero. `where`
-        # on the visibility, not the product alone: a masked key's garbage
-        # scale or zero (NaN/Inf) must not reach the output as 0 * NaN.
         if VALUE_FORMAT == 0:
-            p_v = p  # raw values: no scale; p is already 0 where a key is not visible
+            # Raw values: no scale; p is already 0 where a key is not visible.
+            v, v_scale, v_zero = decode_value_tile(c_va, c_vb, c_vc, c_vscale, c_vzero, c_valid, VALUE_FORMAT,
+                                                   VALUE_FIELD_BITS, RAW_DTYPE)
+            pv = dot(dot_operand(p, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
+                     DOT_DTYPE, INTERPRET)
         else:
-            p_v = tl.where(visible, p * v_scale[None, :], 0.0)
-        pv = dot(dot_operand(p_v, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
-                 DOT_DTYPE, INTERPRET)
-        if VALUE_FORMAT != 0:
-            pv += tl.sum(tl.where(visible, p * v_zero[None, :], 0.0), axis=1)[:, None]
+            # P @ (codes * scale + zero) = (P * scale) @ (codes + bias) + P @ zero - bias * sum(P * scale),
+            # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE). `where` on the
+            # visibility, not the product alone: a masked key's garbage scale or zero (NaN/Inf) must
+            # not reach the output as 0 * NaN.
+            v, v_bias = biased_code_operand(decode_field(c_va, c_vb, c_vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
+            v_scale = _fp16_bits_to_f32(c_vscale)
+            v_zero = _fp16_bits_to_f32(c_vzero)
+            p_v = dot_operand(tl.where(visible, p * v_scale[None, :], 0.0), DOT_DTYPE, INTERPRET)
+            pv = dot(p_v, v, DOT_DTYPE, INTERPRET)
+            pv += tl.sum(tl.where(visible, p * v_zero[None, :], 0.0) - v_bias * p_v.to(tl.float32),
+                         axis=1)[:, None]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         if PREFETCH:
