@@ -104,6 +104,21 @@ def test_randomized_rotation_and_exact_codebook():
     assert not torch.allclose(default.float(), run_path(built, "extend").float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("gain", [2.0**15, 2.0**-10])
+def test_norm_correction_with_codebooks_far_from_unit_range(gain):
+    """Decode tiles take ``||c||**2`` from fp16 squares on tensor cores (`kv_tiles.decode_key_tile`): a
+    codebook whose squares would overflow (x 2**15) or flush (x 2**-10) in fp16 must still give the
+    reference's scores, so the squares are taken of the codebook rescaled by a power of two."""
+    preset, d = "turboquant_4bit_nc", 64
+    base = tq_spec.codebook(d, 4)
+    c = (base.centroids * np.float32(gain)).astype(np.float32)
+    cb = tq_spec.Codebook(d, 4, "custom", c, ((c[:-1] + c[1:]) / np.float32(2)).astype(np.float32))
+    case = AttnCase("scaled_codebook", seq_lens=(21, 6), q_lens=(1, 1), num_q_heads=4, num_kv_heads=1)
+    built = build(case, preset, codebook=cb)
+    for path in ("decode", "extend"):
+        check_against_reference(built, run_path(built, path))
+
+
 def test_rotation_as_torch_tensor_matches_numpy():
     preset = "turboquant_3bit_nc"
     rot = tq_spec.rotation(64, "randomized_hadamard")

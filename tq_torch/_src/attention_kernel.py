@@ -97,7 +97,8 @@ def paged_attention_kernel(
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
     RAW_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT_KV: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr,
     SEQ_CHUNK: tl.constexpr = 128,
 ):
     pid = tl.program_id(0)
@@ -139,7 +140,7 @@ def paged_attention_kernel(
             stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-            DOT_DTYPE, PREFETCH, INTERPRET,
+            DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET,
         )
         t_idx = (q_start + tok).to(tl.int64)
         dmask = row_valid[:, None] & (d < D)[None, :]
@@ -162,6 +163,20 @@ def paged_attention_kernel(
             tl.store(optrs, to_dtype_rne(o, OUT_DTYPE, INTERPRET), mask=dmask)
 
 
+def norm_rows(fmt: dict, block_m: int, dot_dtype, num_warps: int) -> int:
+    """``NORM_ROWS`` of a launch: ``block_m`` where the key norms come from a tensor-core dot
+    (`kv_tiles.decode_key_tile`: norm-corrected mse keys, 16-bit dots, 16-row decode tiles over
+    several warps), else 0.
+
+    Measured on an H100 (B=32 x 8k decode, same call): 4-bit keys on 4 warps 0.571 -> 0.559 ms
+    (D = 256: 0.699 -> 0.649 ms). The one-warp 3-bit tiles got slower (0.659 -> 0.809 ms for
+    k3v4_nc): their row sum needs no cross-warp barrier. Taller (extend) tiles keep the row sum
+    too: a ones dot as tall as the tile would double the QK^T dot.
+    """
+    mma_norm = fmt["KEY_FORMAT"] == config.KEY_MSE and fmt["NORM_CORRECTION"] and dot_dtype != tl.float32
+    return block_m if mma_norm and block_m == 16 and num_warps > 1 else 0
+
+
 def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int, max_blocks: int,
                num_blocks: int, page_size: int, num_splits: int, split_kv: bool, has_sinks: bool, fmt: dict,
                block_m: int, block_n: int, d_pad: int, dot_dtype, out_dtype, interpret: bool, num_warps: int,
@@ -178,7 +193,7 @@ def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs
     ints = (num_seqs, g, block_q, num_q_heads, num_splits, num_tokens, num_blocks, max_blocks * page_size)
     kwargs = dict(
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=has_sinks,
-        SPLIT_KV=split_kv,
+        SPLIT_KV=split_kv, NORM_ROWS=norm_rows(fmt, block_m, dot_dtype, num_warps),
         DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, PREFETCH=prefetch, INTERPRET=interpret, num_warps=num_warps,
         num_stages=num_stages,
         **({} if maxnreg is None else dict(maxnreg=maxnreg)), **config.field_bits_constexprs(fmt),

@@ -181,14 +181,34 @@ def _fp16_bits_to_f32(bits):
 
 
 @triton.jit
-def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid,
+def key_square_scale(cb_ptr, KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr):
+    """fp32 power of two ``r`` with ``r * max|c|`` in ``[1, 2)`` (mse keys; 1.0 otherwise).
+
+    `decode_key_tile` squares ``r * c`` in fp16 for the norm: the scaling is
+    exact and keeps any codebook's squares inside fp16's range.
+    """
+    if KEY_FORMAT == 2:
+        cmax = tl.max(tl.abs(tl.load(cb_ptr + tl.arange(0, 1 << KEY_FIELD_BITS))), axis=0)
+        exp_bits = cmax.to(tl.uint32, bitcast=True) & 0x7F800000
+        return ((0x7F000000 - exp_bits).to(tl.int32)).to(tl.float32, bitcast=True)  # 2**-(e - 127)
+    else:
+        return 1.0
+
+
+@triton.jit
+def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, square_scale,
                     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-                    RAW_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Keys in scoring space: ``(k [BN, D_PAD] fp32, per-key factor [BN] fp32)``.
+                    RAW_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Keys in scoring space: ``(k [BN, D_PAD] fp32, per-key factor)``.
 
     score = factor * (q . k). Raw/fp8 keys: factor 1. mse keys: ``k`` holds the
     centroids and factor is ``norm`` (``norm / ||c||`` with norm correction),
-    so the per-key scaling is one multiply after the dot.
+    so the per-key scaling is one multiply after the dot. The factor is
+    ``[BN]``, or ``[NORM_ROWS, BN]`` (all rows equal) when ``NORM_ROWS > 0``:
+    then ``||c||**2`` comes from a tensor-core dot of a ones tile with the fp16
+    squares of ``square_scale * c`` (`key_square_scale`; rounding each square
+    to fp16 moves the factor by < 2**-12 relative), laid out like a
+    ``[NORM_ROWS, BN]`` score tile, so no cross-lane row sum is needed.
     """
     codes = decode_field(ka, kb, kc, KEY_FIELD_BITS)
     if KEY_FORMAT == 0:
@@ -201,8 +221,15 @@ def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid,
         k = table_lookup(cb_ptr, codes, INTERPRET)
         factor = _fp16_bits_to_f32(knorm)
         if NORM_CORRECTION:
-            # rsqrt is within 2 ulp: far below the bf16 rounding of k that follows.
-            factor = factor * tl.math.rsqrt(tl.sum(k * k, axis=1))
+            if NORM_ROWS > 0:
+                ks = k * square_scale
+                squares = dot_operand(ks * ks, tl.float16, INTERPRET)
+                ones = dot_operand(tl.full([NORM_ROWS, k.shape[1]], 1.0, tl.float32), tl.float16, INTERPRET)
+                norm_sq = dot(ones, tl.trans(squares), tl.float16, INTERPRET)  # (||c|| * square_scale)**2
+                # rsqrt is within 2 ulp: far below the bf16 rounding of k that follows.
+                factor = factor[None, :] * (tl.math.rsqrt(norm_sq) * square_scale)
+            else:
+                factor = factor * tl.math.rsqrt(tl.sum(k * k, axis=1))
     return k, factor
 
 
@@ -230,17 +257,27 @@ def decode_value_tile(va, vb, vc, vscale, vzero, key_valid,
 
 
 @triton.jit
+def _scale_scores(s, k_factor, scale, NORM_ROWS: tl.constexpr):
+    """``s [BLOCK_M, BN] * k_factor * scale``: `decode_key_tile`'s factor, ``[BN]`` or already ``[BLOCK_M, BN]``."""
+    if NORM_ROWS == 0:
+        return s * (k_factor * scale)[None, :]
+    else:
+        return s * (k_factor * scale)
+
+
+@triton.jit
 def _key_loop(
     q, acc, m_i, l_i, pos, row_valid, start_lo, start_hi, k_hi,
     ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-    stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
+    stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale,
     MASKED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
-    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Key tiles starting at ``[start_lo, start_hi)`` (step BLOCK_N) of the online softmax.
 
@@ -274,15 +311,15 @@ def _key_loop(
                 PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
 
-        k, k_factor = decode_key_tile(c_ka, c_kb, c_kc, c_knorm, cb_ptr, c_valid, KEY_FORMAT, KEY_FIELD_BITS,
-                                      NORM_CORRECTION, RAW_DTYPE, INTERPRET)
+        k, k_factor = decode_key_tile(c_ka, c_kb, c_kc, c_knorm, cb_ptr, c_valid, square_scale, KEY_FORMAT,
+                                      KEY_FIELD_BITS, NORM_CORRECTION, RAW_DTYPE, NORM_ROWS, INTERPRET)
         s = dot(q, tl.trans(dot_operand(k, DOT_DTYPE, INTERPRET)), DOT_DTYPE, INTERPRET)
         if softcap > 0:
             # On the scaled logits, before masking (DESIGN.md section 3).
-            s = s * (k_factor * sm_scale)[None, :]
+            s = _scale_scores(s, k_factor, sm_scale, NORM_ROWS)
             s = (softcap * LOG2E) * tanh_f32(s / softcap)
         else:
-            s = s * (k_factor * (sm_scale * LOG2E))[None, :]
+            s = _scale_scores(s, k_factor, sm_scale * LOG2E, NORM_ROWS)
         if MASKED:
             visible = c_valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
             if window > 0:
@@ -331,7 +368,8 @@ def attend_key_range(
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
-    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Online softmax of rows ``q [BLOCK_M, D_PAD]`` over keys ``[k_lo, k_hi)`` of one sequence.
 
@@ -343,8 +381,13 @@ def attend_key_range(
     skip the causal and window checks. Returns the updated
     ``(acc [BLOCK_M, D_PAD], m_i, l_i)`` (unnormalised, log2 domain).
     ``PREFETCH``: hand-pipeline the loads one tile ahead (else Triton's
-    pipeliner may, with ``num_stages`` > 1).
+    pipeliner may, with ``num_stages`` > 1). ``NORM_ROWS``: see `decode_key_tile`
+    (``BLOCK_M`` or 0).
     """
+    if NORM_ROWS > 0:
+        square_scale = key_square_scale(cb_ptr, KEY_FORMAT, KEY_FIELD_BITS)
+    else:
+        square_scale = 1.0
     # Tile starts k_lo + i * BLOCK_N: masked ones before mid_lo (window edge),
     # unmasked ones in [mid_lo, mid_hi), masked ones from mid_hi (the diagonal).
     mid_lo = tl.minimum(k_lo + tl.cdiv(tl.maximum(all_lo - k_lo, 0), BLOCK_N) * BLOCK_N, k_hi)
@@ -373,26 +416,26 @@ def attend_key_range(
         q, acc, m_i, l_i, pos, row_valid, k_lo, mid_lo, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, True,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-        DOT_DTYPE, PREFETCH, INTERPRET)
+        DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
         q, acc, m_i, l_i, pos, row_valid, mid_lo, mid_hi, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, False,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, False,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-        DOT_DTYPE, PREFETCH, INTERPRET)
+        DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
         q, acc, m_i, l_i, pos, row_valid, mid_hi, k_hi, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, True,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-        DOT_DTYPE, PREFETCH, INTERPRET)
+        DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
     return acc, m_i, l_i
 
 
