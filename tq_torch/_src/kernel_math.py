@@ -80,25 +80,95 @@ def dot(a, b, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
         return tl.dot(a, b, out_dtype=tl.float32)
 
 
-@triton.jit
-def table_lookup(table_ptr, index, INTERPRET: tl.constexpr):
-    """``table_ptr[index]`` (fp32) for a small table read through the read-only cache.
+# `_lane_entry`'s PTX: $1 table pointer, $2 lane mask (SIZE - 1), $3 square scale.
+_LANE_ENTRY_F32 = tl.constexpr(
+    "{ .reg .u32 l; .reg .b64 a; mov.u32 l, %laneid; and.b32 l, l, $2; mad.wide.u32 a, l, 4, $1; "
+    "ld.global.nc.f32 $0, [a]; }")
+_LANE_ENTRY_SQUARES = (
+    "{ .reg .u32 l; .reg .b64 a; .reg .f32 c, s; .reg .b16 lo, hi; mov.u32 l, %laneid; and.b32 l, l, $2; "
+    "mad.wide.u32 a, l, 4, $1; ld.global.nc.f32 c, [a]; CVT lo, c; mul.rn.f32 s, c, $3; mul.rn.f32 s, s, s; "
+    "cvt.rn.f16.f32 hi, s; mov.b32 $0, {lo, hi}; }")
+_LANE_ENTRY_BF16_SQUARES = tl.constexpr(_LANE_ENTRY_SQUARES.replace("CVT", "cvt.rn.bf16.f32"))
+_LANE_ENTRY_F16_SQUARES = tl.constexpr(_LANE_ENTRY_SQUARES.replace("CVT", "cvt.rn.f16.f32"))
+# `table_lookup_with_squares`' PTX for a pack of two elements: $2, $3 indices, $4, $5 entries.
+_SHUFFLE_PAIRS = tl.constexpr(
+    "{ .reg .b32 e0, e1; shfl.sync.idx.b32 e0, $4, $2, 0x1f, 0xffffffff; "
+    "shfl.sync.idx.b32 e1, $5, $3, 0x1f, 0xffffffff; prmt.b32 $0, e0, e1, 0x5410; prmt.b32 $1, e0, e1, 0x7632; }")
 
-    ``index``: int32, non-negative. On the GPU this is an inline load rather
-    than `tl.load` so that Triton's software pipeliner does not stage the
-    gathered tile through a bank-conflicted shared-memory ring (it pipelines
-    every `tl.load` that feeds a dot); a 16-entry table stays in one L1 line
-    instead. The address is one unsigned wide multiply-add in the same asm
-    (``tl.load(ptr + index)`` sign-extends and shifts: three integer
-    instructions per element).
+
+@triton.jit
+def _lane_entry(table_ptr, square_scale, shape, SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                SQUARES: tl.constexpr):
+    """This lane's entry of a ``SIZE``-entry fp32 table (lane ``l`` holds entry ``l % SIZE``), as ``shape``.
+
+    ``SQUARES`` False: the bits of the fp32 entry ``c``. True: one 32-bit word with ``DOT_DTYPE(c)``
+    in the low and fp16 ``(square_scale * c)**2`` in the high half (the products
+    rounded in fp32 first, as `kv_tiles.decode_key_tile` computes them). Every
+    element holds the same value from the same operands, so the compiler keeps
+    one register and hoists it out of loops.
+    """
+    ptrs = tl.broadcast_to(table_ptr, shape)
+    lane_mask = tl.full(shape, SIZE - 1, tl.int32)
+    # As bits: Triton 3.6 will not pass a float operand next to a pointer.
+    scale_bits = tl.full(shape, square_scale, tl.float32).to(tl.int32, bitcast=True)
+    if not SQUARES:
+        entry = tl.inline_asm_elementwise(_LANE_ENTRY_F32, "=r,l,r", [ptrs, lane_mask],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    elif DOT_DTYPE == tl.bfloat16:
+        entry = tl.inline_asm_elementwise(_LANE_ENTRY_BF16_SQUARES, "=r,l,r,r", [ptrs, lane_mask, scale_bits],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        entry = tl.inline_asm_elementwise(_LANE_ENTRY_F16_SQUARES, "=r,l,r,r", [ptrs, lane_mask, scale_bits],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    return entry
+
+
+@triton.jit
+def table_lookup(table_ptr, index, SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+    """``table_ptr[index]`` (fp32) for a table of ``SIZE`` <= 32 entries (a power of two).
+
+    ``index``: int32 in ``[0, SIZE)``; on the GPU only its low ``log2(SIZE)`` bits are
+    read, so higher bits may hold anything (`kv_tiles.decode_field` with ``CLEAN``
+    False). On the GPU each lane holds one table
+    entry in a register and an element is one warp shuffle from the lane its
+    index names: no address math and no memory access per element. (Earlier a
+    per-element load through the read-only cache cost a 64-bit address, two
+    instructions, plus the load; a `tl.load` gather is also what Triton's
+    pipeliner staged through a bank-conflicted shared-memory ring.)
     """
     if INTERPRET:
         return tl.load(table_ptr + index)
     else:
+        entry = _lane_entry(table_ptr, 1.0, index.shape, SIZE, tl.float32, False)
         return tl.inline_asm_elementwise(
-            "{ .reg .b64 a; mad.wide.u32 a, $1, 4, $2; ld.global.nc.f32 $0, [a]; }", "=r,r,l",
-            [index, tl.broadcast_to(table_ptr, index.shape)],
+            "shfl.sync.idx.b32 $0, $2, $1, 0x1f, 0xffffffff;", "=r,r,r", [index, entry],
             dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def table_lookup_with_squares(table_ptr, index, square_scale, SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                              INTERPRET: tl.constexpr):
+    """`table_lookup` as two 16-bit dot operands: ``(DOT_DTYPE(c), fp16((square_scale * c)**2))``.
+
+    ``c = table_ptr[index]``; ``DOT_DTYPE`` bfloat16 or float16 (held in fp32 in
+    the interpreter, like `dot_operand`). On the GPU both halves come from one
+    shuffle of a packed per-lane entry and one byte permute per pair of elements,
+    bit for bit what rounding the gathered fp32 ``c`` and its square would give.
+    """
+    if INTERPRET:
+        c = tl.load(table_ptr + index)
+        cs = c * square_scale
+        return dot_operand(c, DOT_DTYPE, INTERPRET), dot_operand(cs * cs, tl.float16, INTERPRET)
+    else:
+        entry = _lane_entry(table_ptr, square_scale, index.shape, SIZE, DOT_DTYPE, True)
+        # Elements i, i+1 of a pack share a 32-bit output register: the low halves
+        # of the two shuffled words make the operand pair, the high halves the squares.
+        if DOT_DTYPE == tl.bfloat16:
+            return tl.inline_asm_elementwise(_SHUFFLE_PAIRS, "=r,=r,r,r,r,r", [index, entry],
+                                             dtype=(tl.bfloat16, tl.float16), is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_SHUFFLE_PAIRS, "=r,=r,r,r,r,r", [index, entry],
+                                             dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 @triton.jit
@@ -122,6 +192,42 @@ def biased_code_operand(codes, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr)
         bias = 0.0
     if INTERPRET:
         x = x.to(tl.float32)  # `dot` takes fp32 tiles holding DOT_DTYPE values there
+    return x, bias
+
+
+# `biased_nibble_operand`'s PTX for one 16-bit word w = c0 | c1 << 4 | c2 << 8 | c3 << 12 (zero-extended,
+# in $2..$5): $0 = 16-bit floats (BIAS + c0, BIAS + c1), $1 = (BIAS + c2, BIAS + c3).
+_NIBBLE_PAIRS = (
+    "{ .reg .b32 t; shl.b32 t, $2, 12; or.b32 t, t, $2; and.b32 t, t, 0x000F000F; or.b32 $0, t, BIAS; "
+    "shr.b32 t, $2, 8; shl.b32 $1, $2, 4; or.b32 t, t, $1; and.b32 t, t, 0x000F000F; or.b32 $1, t, BIAS; }")
+_NIBBLE_PAIRS_BF16 = tl.constexpr(_NIBBLE_PAIRS.replace("BIAS", "0x43004300"))
+_NIBBLE_PAIRS_F16 = tl.constexpr(_NIBBLE_PAIRS.replace("BIAS", "0x64006400"))
+
+
+@triton.jit
+def biased_nibble_operand(words, DOT_DTYPE: tl.constexpr):
+    """GPU only. 16-bit words ``[BN, W]`` of 4-bit codes -> (``[BN, 4W]`` ``codes + bias`` in ``DOT_DTYPE``, bias).
+
+    What `biased_code_operand` gives for the codes `kv_tiles.decode_field` unpacks from
+    ``words`` (``DOT_DTYPE`` bfloat16 or float16), but two elements at a time: each
+    16-bit pair is the word's two nibbles moved into place with one shift, masked
+    and ORed with the bias bits, about 1.25 integer instructions per element.
+    """
+    w = words.to(tl.uint16, bitcast=True).to(tl.int32)
+    # Four copies of each word as the four consecutive elements of one asm pack
+    # (`tl.join` adds the new axis inside a thread's registers: no data moves).
+    BN: tl.constexpr = w.shape[0]
+    W: tl.constexpr = w.shape[1]
+    w2 = tl.reshape(tl.join(w, w), (BN, 2 * W))
+    w4 = tl.reshape(tl.join(w2, w2), (BN, 4 * W))
+    if DOT_DTYPE == tl.bfloat16:
+        x = tl.inline_asm_elementwise(_NIBBLE_PAIRS_BF16, "=r,=r,r,r,r,r", [w4], dtype=tl.bfloat16,
+                                      is_pure=True, pack=4)
+        bias = 128.0
+    else:
+        x = tl.inline_asm_elementwise(_NIBBLE_PAIRS_F16, "=r,=r,r,r,r,r", [w4], dtype=tl.float16,
+                                      is_pure=True, pack=4)
+        bias = 1024.0
     return x, bias
 
 

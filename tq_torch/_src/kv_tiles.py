@@ -30,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernel_math import biased_code_operand, dot, dot_operand, table_lookup, tanh_f32
+from .kernel_math import (biased_code_operand, biased_nibble_operand, dot, dot_operand, table_lookup,
+                          table_lookup_with_squares, tanh_f32)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
@@ -112,28 +113,41 @@ def fetch_field(cache_u8, cache_i16, field_word, key_valid, D: tl.constexpr, D_P
 
 
 @triton.jit
-def decode_field(a, b, c, BITS: tl.constexpr):
+def decode_field(a, b, c, BITS: tl.constexpr, CLEAN: tl.constexpr = True):
     """Codes ``[BN, D_PAD]`` int32 in element order from `fetch_field`'s raw words.
 
     (``BITS`` 16 returns the raw 16-bit patterns.) Codes are an LSB-first bit
-    stream: word ``i``'s field ``j`` is element ``i * fields + j``.
+    stream: word ``i``'s field ``j`` is element ``i * fields + j``. ``CLEAN``
+    False (3- and 4-bit codes): the bits above each code are left as they are,
+    for a consumer that reads only the code's bits (`kernel_math.table_lookup`
+    on the GPU): one AND fewer per element.
     """
-    MASK: tl.constexpr = (1 << BITS) - 1
     if BITS == 16:
         return a
     elif BITS == 8:
         w = a.to(tl.uint16, bitcast=True).to(tl.int32)  # zero-extend: no sign fix-ups per field
-        return _interleave(w & MASK, (w >> 8) & MASK)
+        return _interleave(w & 0xFF, w >> 8)
     elif BITS == 4:
         w = a.to(tl.uint16, bitcast=True).to(tl.int32)  # zero-extend: no sign fix-ups per field
-        return _interleave(_interleave(w & MASK, (w >> 8) & MASK),
-                           _interleave((w >> 4) & MASK, (w >> 12) & MASK))
+        return _interleave(_interleave(_code(w, 0, 4, CLEAN), _code(w, 8, 4, CLEAN)),
+                           _interleave(_code(w, 4, 4, CLEAN), w >> 12))
     else:  # 3 bits: 8 fields of a 24-bit little-endian word
         w = a.to(tl.int32) | (b.to(tl.int32) << 8) | (c.to(tl.int32) << 16)
-        lo = _interleave(_interleave(w & MASK, (w >> 6) & MASK), _interleave((w >> 3) & MASK, (w >> 9) & MASK))
-        hi = _interleave(_interleave((w >> 12) & MASK, (w >> 18) & MASK),
-                         _interleave((w >> 15) & MASK, (w >> 21) & MASK))
+        lo = _interleave(_interleave(_code(w, 0, 3, CLEAN), _code(w, 6, 3, CLEAN)),
+                         _interleave(_code(w, 3, 3, CLEAN), _code(w, 9, 3, CLEAN)))
+        hi = _interleave(_interleave(_code(w, 12, 3, CLEAN), _code(w, 18, 3, CLEAN)),
+                         _interleave(_code(w, 15, 3, CLEAN), w >> 21))
         return _interleave_quads(lo, hi)
+
+
+@triton.jit
+def _code(w, SHIFT: tl.constexpr, BITS: tl.constexpr, CLEAN: tl.constexpr):
+    """The ``BITS``-bit field of ``w`` at bit ``SHIFT`` (with the bits above it unless ``CLEAN``)."""
+    if SHIFT > 0:
+        w = w >> SHIFT
+    if CLEAN:
+        w = w & ((1 << BITS) - 1)
+    return w
 
 
 @triton.jit
@@ -198,8 +212,12 @@ def key_square_scale(cb_ptr, KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.conste
 @triton.jit
 def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, square_scale,
                     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-                    RAW_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Keys in scoring space: ``(k [BN, D_PAD] fp32, per-key factor)``.
+                    RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Keys in scoring space: ``(k [BN, D_PAD], per-key factor)``.
+
+    ``k`` is fp32, except with ``NORM_ROWS > 0``, where it comes back as a
+    ``DOT_DTYPE`` dot operand (`kernel_math.dot_operand`, which leaves it as it is).
 
     score = factor * (q . k). Raw/fp8 keys: factor 1. mse keys: ``k`` holds the
     centroids and factor is ``norm`` (``norm / ||c||`` with norm correction),
@@ -210,26 +228,26 @@ def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, square_scale,
     to fp16 moves the factor by < 2**-12 relative), laid out like a
     ``[NORM_ROWS, BN]`` score tile, so no cross-lane row sum is needed.
     """
-    codes = decode_field(ka, kb, kc, KEY_FIELD_BITS)
+    # mse codes only index a table: the GPU lookup reads just their bits.
+    codes = decode_field(ka, kb, kc, KEY_FIELD_BITS, KEY_FORMAT != 2 or INTERPRET)
     if KEY_FORMAT == 0:
         k = codes.to(RAW_DTYPE, bitcast=True).to(tl.float32)
         factor = tl.full(key_valid.shape, 1.0, tl.float32)
     elif KEY_FORMAT == 1:
         k = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         factor = tl.full(key_valid.shape, 1.0, tl.float32)
+    elif NORM_CORRECTION and NORM_ROWS > 0:
+        k, squares = table_lookup_with_squares(cb_ptr, codes, square_scale, 1 << KEY_FIELD_BITS, DOT_DTYPE,
+                                               INTERPRET)
+        ones = dot_operand(tl.full([NORM_ROWS, k.shape[1]], 1.0, tl.float32), tl.float16, INTERPRET)
+        norm_sq = dot(ones, tl.trans(squares), tl.float16, INTERPRET)  # (||c|| * square_scale)**2
+        # rsqrt is within 2 ulp: far below the bf16 rounding of k.
+        factor = _fp16_bits_to_f32(knorm)[None, :] * (tl.math.rsqrt(norm_sq) * square_scale)
     else:
-        k = table_lookup(cb_ptr, codes, INTERPRET)
+        k = table_lookup(cb_ptr, codes, 1 << KEY_FIELD_BITS, INTERPRET)
         factor = _fp16_bits_to_f32(knorm)
         if NORM_CORRECTION:
-            if NORM_ROWS > 0:
-                ks = k * square_scale
-                squares = dot_operand(ks * ks, tl.float16, INTERPRET)
-                ones = dot_operand(tl.full([NORM_ROWS, k.shape[1]], 1.0, tl.float32), tl.float16, INTERPRET)
-                norm_sq = dot(ones, tl.trans(squares), tl.float16, INTERPRET)  # (||c|| * square_scale)**2
-                # rsqrt is within 2 ulp: far below the bf16 rounding of k that follows.
-                factor = factor[None, :] * (tl.math.rsqrt(norm_sq) * square_scale)
-            else:
-                factor = factor * tl.math.rsqrt(tl.sum(k * k, axis=1))
+            factor = factor * tl.math.rsqrt(tl.sum(k * k, axis=1))
     return k, factor
 
 
@@ -254,6 +272,20 @@ def decode_value_tile(va, vb, vc, vscale, vzero, key_valid,
         scale = _fp16_bits_to_f32(vscale)
         zero = _fp16_bits_to_f32(vzero)
     return v, scale, zero
+
+
+@triton.jit
+def _biased_value_operand(va, vb, vc, VALUE_FIELD_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    """Uniform value codes ``[BN, D_PAD]`` + bias as a dot operand, and the bias (`biased_code_operand`).
+
+    4-bit codes on the GPU go straight from the words to 16-bit pairs
+    (`biased_nibble_operand`); the result is the same.
+    """
+    if VALUE_FIELD_BITS == 4 and DOT_DTYPE != tl.float32 and not INTERPRET:
+        return biased_nibble_operand(va, DOT_DTYPE)
+    else:
+        return biased_code_operand(decode_field(va, vb, vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
 
 
 @triton.jit
@@ -312,7 +344,7 @@ def _key_loop(
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
 
         k, k_factor = decode_key_tile(c_ka, c_kb, c_kc, c_knorm, cb_ptr, c_valid, square_scale, KEY_FORMAT,
-                                      KEY_FIELD_BITS, NORM_CORRECTION, RAW_DTYPE, NORM_ROWS, INTERPRET)
+                                      KEY_FIELD_BITS, NORM_CORRECTION, RAW_DTYPE, DOT_DTYPE, NORM_ROWS, INTERPRET)
         s = dot(q, tl.trans(dot_operand(k, DOT_DTYPE, INTERPRET)), DOT_DTYPE, INTERPRET)
         if softcap > 0:
             # On the scaled logits, before masking (DESIGN.md section 3).
@@ -344,7 +376,7 @@ def _key_loop(
             # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE). `where` on the
             # visibility, not the product alone: a masked key's garbage scale or zero (NaN/Inf) must
             # not reach the output as 0 * NaN.
-            v, v_bias = biased_code_operand(decode_field(c_va, c_vb, c_vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
+            v, v_bias = _biased_value_operand(c_va, c_vb, c_vc, VALUE_FIELD_BITS, DOT_DTYPE, INTERPRET)
             v_scale = _fp16_bits_to_f32(c_vscale)
             v_zero = _fp16_bits_to_f32(c_vzero)
             p_v = dot_operand(tl.where(visible, p * v_scale[None, :], 0.0), DOT_DTYPE, INTERPRET)

@@ -62,7 +62,7 @@ def _dequantize_pages_kernel(
             cache_u8, cache_i16, slot, in_page, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
         k, k_factor = decode_key_tile(ka, kb, kc, knorm, cb_ptr, in_page, 1.0, KEY_FORMAT, KEY_FIELD_BITS,
-                                      NORM_CORRECTION, RAW_DTYPE, 0, INTERPRET)
+                                      NORM_CORRECTION, RAW_DTYPE, tl.float32, 0, INTERPRET)
         v, v_scale, v_zero = decode_value_tile(va, vb, vc, vscale, vzero, in_page, VALUE_FORMAT,
                                                VALUE_FIELD_BITS, RAW_DTYPE)
         k = k * k_factor[:, None]
