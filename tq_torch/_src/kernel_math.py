@@ -109,17 +109,18 @@ def _lane_entry(table_ptr, square_scale, shape, SIZE: tl.constexpr, DOT_DTYPE: t
     """
     ptrs = tl.broadcast_to(table_ptr, shape)
     lane_mask = tl.full(shape, SIZE - 1, tl.int32)
-    # As bits: Triton 3.6 will not pass a float operand next to a pointer.
-    scale_bits = tl.full(shape, square_scale, tl.float32).to(tl.int32, bitcast=True)
     if not SQUARES:
         entry = tl.inline_asm_elementwise(_LANE_ENTRY_F32, "=r,l,r", [ptrs, lane_mask],
                                           dtype=tl.int32, is_pure=True, pack=1)
-    elif DOT_DTYPE == tl.bfloat16:
-        entry = tl.inline_asm_elementwise(_LANE_ENTRY_BF16_SQUARES, "=r,l,r,r", [ptrs, lane_mask, scale_bits],
-                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
-        entry = tl.inline_asm_elementwise(_LANE_ENTRY_F16_SQUARES, "=r,l,r,r", [ptrs, lane_mask, scale_bits],
-                                          dtype=tl.int32, is_pure=True, pack=1)
+        # As bits: Triton 3.6 will not pass a float operand next to a pointer.
+        scale_bits = tl.full(shape, square_scale, tl.float32).to(tl.int32, bitcast=True)
+        if DOT_DTYPE == tl.bfloat16:
+            entry = tl.inline_asm_elementwise(_LANE_ENTRY_BF16_SQUARES, "=r,l,r,r", [ptrs, lane_mask, scale_bits],
+                                              dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            entry = tl.inline_asm_elementwise(_LANE_ENTRY_F16_SQUARES, "=r,l,r,r", [ptrs, lane_mask, scale_bits],
+                                              dtype=tl.int32, is_pure=True, pack=1)
     return entry
 
 
@@ -171,6 +172,23 @@ def table_lookup_with_squares(table_ptr, index, square_scale, SIZE: tl.constexpr
                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
+# 16-bit float bit patterns ``BITS | c`` that are exactly ``BIAS + c`` for every 7-bit code ``c``
+# (`biased_code_operand`, `biased_nibble_operand`).
+_BF16_BIAS_BITS = tl.constexpr(0x4300)  # 128 + c
+_F16_BIAS_BITS = tl.constexpr(0x6400)  # 1024 + c
+
+
+@triton.jit
+def _code_bias(DOT_DTYPE: tl.constexpr):
+    """The bias of `biased_code_operand`'s operands: 128 (bfloat16), 1024 (float16), 0 (float32)."""
+    if DOT_DTYPE == tl.bfloat16:
+        return 128.0
+    elif DOT_DTYPE == tl.float16:
+        return 1024.0
+    else:
+        return 0.0
+
+
 @triton.jit
 def biased_code_operand(codes, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """Integer codes ``[BN, D]`` int32 in ``[0, 128)`` -> ``(codes + bias`` as a dot operand, ``bias)``.
@@ -182,17 +200,14 @@ def biased_code_operand(codes, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr)
     ``(P * scale) @ (codes + bias)``. fp32 operands are the codes themselves.
     """
     if DOT_DTYPE == tl.bfloat16:
-        x = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        bias = 128.0
+        x = (codes | _BF16_BIAS_BITS).to(tl.int16).to(tl.bfloat16, bitcast=True)
     elif DOT_DTYPE == tl.float16:
-        x = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        bias = 1024.0
+        x = (codes | _F16_BIAS_BITS).to(tl.int16).to(tl.float16, bitcast=True)
     else:
         x = codes.to(tl.float32)
-        bias = 0.0
     if INTERPRET:
         x = x.to(tl.float32)  # `dot` takes fp32 tiles holding DOT_DTYPE values there
-    return x, bias
+    return x, _code_bias(DOT_DTYPE)
 
 
 # `biased_nibble_operand`'s PTX for one 16-bit word w = c0 | c1 << 4 | c2 << 8 | c3 << 12 (zero-extended,
@@ -200,8 +215,8 @@ def biased_code_operand(codes, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr)
 _NIBBLE_PAIRS = (
     "{ .reg .b32 t; shl.b32 t, $2, 12; or.b32 t, t, $2; and.b32 t, t, 0x000F000F; or.b32 $0, t, BIAS; "
     "shr.b32 t, $2, 8; shl.b32 $1, $2, 4; or.b32 t, t, $1; and.b32 t, t, 0x000F000F; or.b32 $1, t, BIAS; }")
-_NIBBLE_PAIRS_BF16 = tl.constexpr(_NIBBLE_PAIRS.replace("BIAS", "0x43004300"))
-_NIBBLE_PAIRS_F16 = tl.constexpr(_NIBBLE_PAIRS.replace("BIAS", "0x64006400"))
+_NIBBLE_PAIRS_BF16 = tl.constexpr(_NIBBLE_PAIRS.replace("BIAS", hex(_BF16_BIAS_BITS.value * 0x10001)))
+_NIBBLE_PAIRS_F16 = tl.constexpr(_NIBBLE_PAIRS.replace("BIAS", hex(_F16_BIAS_BITS.value * 0x10001)))
 
 
 @triton.jit
@@ -223,12 +238,10 @@ def biased_nibble_operand(words, DOT_DTYPE: tl.constexpr):
     if DOT_DTYPE == tl.bfloat16:
         x = tl.inline_asm_elementwise(_NIBBLE_PAIRS_BF16, "=r,=r,r,r,r,r", [w4], dtype=tl.bfloat16,
                                       is_pure=True, pack=4)
-        bias = 128.0
     else:
         x = tl.inline_asm_elementwise(_NIBBLE_PAIRS_F16, "=r,=r,r,r,r,r", [w4], dtype=tl.float16,
                                       is_pure=True, pack=4)
-        bias = 1024.0
-    return x, bias
+    return x, _code_bias(DOT_DTYPE)
 
 
 @triton.jit

@@ -195,18 +195,15 @@ def _fp16_bits_to_f32(bits):
 
 
 @triton.jit
-def key_square_scale(cb_ptr, KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr):
-    """fp32 power of two ``r`` with ``r * max|c|`` in ``[1, 2)`` (mse keys; 1.0 otherwise).
+def key_square_scale(cb_ptr, KEY_FIELD_BITS: tl.constexpr):
+    """fp32 power of two ``r`` with ``r * max|c|`` in ``[1, 2)`` over the mse codebook ``cb_ptr``.
 
     `decode_key_tile` squares ``r * c`` in fp16 for the norm: the scaling is
     exact and keeps any codebook's squares inside fp16's range.
     """
-    if KEY_FORMAT == 2:
-        cmax = tl.max(tl.abs(tl.load(cb_ptr + tl.arange(0, 1 << KEY_FIELD_BITS))), axis=0)
-        exp_bits = cmax.to(tl.uint32, bitcast=True) & 0x7F800000
-        return ((0x7F000000 - exp_bits).to(tl.int32)).to(tl.float32, bitcast=True)  # 2**-(e - 127)
-    else:
-        return 1.0
+    cmax = tl.max(tl.abs(tl.load(cb_ptr + tl.arange(0, 1 << KEY_FIELD_BITS))), axis=0)
+    exp_bits = cmax.to(tl.uint32, bitcast=True) & 0x7F800000
+    return ((0x7F000000 - exp_bits).to(tl.int32)).to(tl.float32, bitcast=True)  # 2**-(e - 127)
 
 
 @triton.jit
@@ -416,8 +413,8 @@ def attend_key_range(
     pipeliner may, with ``num_stages`` > 1). ``NORM_ROWS``: see `decode_key_tile`
     (``BLOCK_M`` or 0).
     """
-    if NORM_ROWS > 0:
-        square_scale = key_square_scale(cb_ptr, KEY_FORMAT, KEY_FIELD_BITS)
+    if NORM_ROWS > 0:  # mse keys (`attention_kernel.norm_rows`)
+        square_scale = key_square_scale(cb_ptr, KEY_FIELD_BITS)
     else:
         square_scale = 1.0
     # Tile starts k_lo + i * BLOCK_N: masked ones before mid_lo (window edge),
