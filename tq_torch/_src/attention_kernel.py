@@ -118,9 +118,11 @@ def paged_attention_kernel(
         row_valid = (r // group < block_q) & (tok < q_len)
         head = kv_head * group + r % group
         pos = seq_len - q_len + tok
-        # Keys any row of this tile may see: [k_lo, k_hi).
+        # Keys any row of this tile may see: [k_first, k_hi).
         k_hi = seq_len - q_len + tl.minimum(tok0 + block_q, q_len)
-        k_lo = tl.where(window > 0, tl.maximum(seq_len - q_len + tok0 - window + 1, 0), 0)
+        k_first = tl.where(window > 0, tl.maximum(seq_len - q_len + tok0 - window + 1, 0), 0)
+        # Tiles start on multiples of BLOCK_N (page-aligned tiles: `kv_tiles.load_block_ids`).
+        k_lo = k_first // BLOCK_N * BLOCK_N
         # Keys every valid row sees, [all_lo, all_hi): causal up to the first row's
         # position, window from the last row's.
         all_hi = seq_len - q_len + tok0 + 1
@@ -135,7 +137,7 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = attend_key_range(
-            q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi, all_lo, all_hi,
+            q, acc, m_i, l_i, pos, row_valid, k_first, k_lo, k_hi, all_lo, all_hi,
             bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_u8, cache_i16, cb_ptr,
             stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,

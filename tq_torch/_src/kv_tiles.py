@@ -37,28 +37,55 @@ LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr glo
 
 
 @triton.jit
-def load_block_ids(bt_ptr, bt_row, keys, key_valid, num_blocks, PAGE_SIZE: tl.constexpr):
-    """Block ids ``[BN]`` int32 of key positions ``keys``; -1 where the key is invalid.
+def load_block_ids(bt_ptr, bt_row, start, k_hi, num_blocks, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block ids ``[BLOCK_N]`` int32 of key positions ``start + arange(BLOCK_N)``; -1 past ``k_hi``.
 
-    A block id outside ``[0, num_blocks)`` (bad metadata) also comes back as
-    -1: the caller masks that key, so no load leaves the cache.
+    ``start`` is a multiple of ``BLOCK_N`` (`attend_key_range` aligns its tiles). When one of
+    ``BLOCK_N`` and ``PAGE_SIZE`` divides the other, a tile is inside one page or covers whole
+    pages, and the block table is read once per page: one uniform load, or loads that share
+    address and mask within a page (so they are one), not one per key. A block id outside
+    ``[0, num_blocks)`` (bad metadata) also comes back as -1: the caller masks that key, so no
+    load leaves the cache.
     """
-    # The page size is a constexpr (one compile per page size): a division by
-    # a runtime value costs ~20 integer instructions per key.
-    # Unsigned (keys >= 0): a signed division by a power of two needs a rounding fix-up.
-    blk = tl.load(bt_ptr + bt_row + (keys.to(tl.uint32) // PAGE_SIZE).to(tl.int32), mask=key_valid, other=-1)
-    return tl.where((blk >= 0) & (blk < num_blocks), blk, -1)
+    lane = tl.arange(0, BLOCK_N)
+    # The page size is a constexpr (one compile per page size): a division by a runtime value
+    # costs ~20 integer instructions.
+    if PAGE_SIZE % BLOCK_N == 0:
+        blk = tl.load(bt_ptr + bt_row + start // PAGE_SIZE, mask=start < k_hi, other=-1)
+    elif BLOCK_N % PAGE_SIZE == 0:
+        in_tile = lane // PAGE_SIZE
+        blk = tl.load(bt_ptr + bt_row + (start // PAGE_SIZE + in_tile), mask=start + in_tile * PAGE_SIZE < k_hi,
+                      other=-1)
+    else:
+        # Unsigned (keys >= 0): a signed division needs a rounding fix-up per key.
+        keys = start + lane
+        blk = tl.load(bt_ptr + bt_row + (keys.to(tl.uint32) // PAGE_SIZE).to(tl.int32), mask=keys < k_hi, other=-1)
+    blk = tl.where((blk >= 0) & (blk < num_blocks), blk, -1)
+    return tl.where(start + lane < k_hi, blk, -1)
 
 
 @triton.jit
-def slot_word_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE: tl.constexpr):
-    """int64 offset in 16-bit words of the slot of each key position (``keys [BN]``, block ids ``blk``).
+def slot_word_offsets(blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """int64 offset in 16-bit words of the slot of each key ``start + arange(BLOCK_N)`` (block ids ``blk``).
 
-    ``stride_*``: the cache's byte strides, all even (slots are 2-byte aligned). Halving the
-    strides once per program, rather than each key's byte offset, saves a signed int64
-    division per key and field.
+    ``start`` is a multiple of ``BLOCK_N``, so when one of ``BLOCK_N`` and ``PAGE_SIZE``
+    divides the other a key's place in its page is ``lane % PAGE_SIZE`` (loop-invariant) or
+    ``start % PAGE_SIZE + lane``. ``stride_*``: the cache's byte strides, all even (slots are
+    2-byte aligned). Halving the strides once per program, rather than each key's byte offset,
+    saves a signed int64 division per key and field. A masked key (``blk`` -1) gets an offset
+    that is never read.
     """
-    return (blk.to(tl.int64) * (stride_cn >> 1) + (keys.to(tl.uint32) % PAGE_SIZE).to(tl.int64) * (stride_cp >> 1)
+    lane = tl.arange(0, BLOCK_N)
+    if PAGE_SIZE % BLOCK_N == 0:
+        in_page = lane + start % PAGE_SIZE
+    elif BLOCK_N % PAGE_SIZE == 0:
+        in_page = lane % PAGE_SIZE
+    else:
+        in_page = ((start + lane).to(tl.uint32) % PAGE_SIZE).to(tl.int32)
+    # Zero-extended: -1 becomes a large offset, never dereferenced, and a 32 x 64-bit product
+    # needs no sign fix-up.
+    return (blk.to(tl.uint32).to(tl.int64) * (stride_cn >> 1) + in_page.to(tl.int64) * (stride_cp >> 1)
             + kv_head * (stride_ch >> 1))
 
 
@@ -177,13 +204,13 @@ def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
 
 
 @triton.jit
-def _fetch_keys(cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
-                PAGE_SIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr,
+def _fetch_keys(cache_u8, cache_i16, blk, start, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr,
                 KEY_FIELD_BITS: tl.constexpr, KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr,
                 VALUE_FIELD_BITS: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
                 VALUE_ZERO_OFF: tl.constexpr):
-    """`fetch_kv_tile` of key positions ``keys [BN]`` in pages ``blk`` (block ids, -1 = masked)."""
-    slot = slot_word_offsets(blk, keys, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE)
+    """`fetch_kv_tile` of key positions ``start + arange(BLOCK_N)`` in pages ``blk`` (block ids, -1 = masked)."""
+    slot = slot_word_offsets(blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE, BLOCK_N)
     return fetch_kv_tile(cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS,
                          KEY_NORM_OFF, VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF,
                          VALUE_ZERO_OFF)
@@ -296,7 +323,7 @@ def _scale_scores(s, k_factor, scale, NORM_ROWS: tl.constexpr):
 
 @triton.jit
 def _key_loop(
-    q, acc, m_i, l_i, pos, row_valid, start_lo, start_hi, k_hi,
+    q, acc, m_i, l_i, pos, row_valid, start_lo, start_hi, k_first, k_hi,
     ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
     stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale,
@@ -322,24 +349,25 @@ def _key_loop(
         if PREFETCH:
             # Tile i+1's words (its block ids arrived during tile i-1) and
             # tile i+2's block ids, all in flight while tile i is computed.
-            keys_n = keys + BLOCK_N
             valid_n = blk_next >= 0
             ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n = _fetch_keys(
-                cache_u8, cache_i16, blk_next, keys_n, valid_n, kv_head, stride_cn, stride_cp, stride_ch,
-                PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+                cache_u8, cache_i16, blk_next, start + BLOCK_N, valid_n, kv_head, stride_cn, stride_cp, stride_ch,
+                PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
-            blk_next = load_block_ids(bt_ptr, bt_row, keys_n + BLOCK_N, (keys_n + BLOCK_N) < k_hi, num_blocks,
-                                      PAGE_SIZE)
+            blk_next = load_block_ids(bt_ptr, bt_row, start + 2 * BLOCK_N, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
             c_ka, c_kb, c_kc, c_knorm, c_va, c_vb, c_vc, c_vscale, c_vzero = ka, kb, kc, knorm, va, vb, vc, vscale, vzero
             c_valid = key_valid
         else:
-            blk = load_block_ids(bt_ptr, bt_row, keys, keys < k_hi, num_blocks, PAGE_SIZE)
+            blk = load_block_ids(bt_ptr, bt_row, start, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
             c_valid = blk >= 0
             c_ka, c_kb, c_kc, c_knorm, c_va, c_vb, c_vc, c_vscale, c_vzero = _fetch_keys(
-                cache_u8, cache_i16, blk, keys, c_valid, kv_head, stride_cn, stride_cp, stride_ch,
-                PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+                cache_u8, cache_i16, blk, start, c_valid, kv_head, stride_cn, stride_cp, stride_ch,
+                PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
 
+        if MASKED:
+            # Tiles start on a multiple of BLOCK_N: keys before k_first are no row's.
+            c_valid = c_valid & (keys >= k_first)
         k, k_factor = decode_key_tile(c_ka, c_kb, c_kc, c_knorm, cb_ptr, c_valid, square_scale, KEY_FORMAT,
                                       KEY_FIELD_BITS, NORM_CORRECTION, RAW_DTYPE, DOT_DTYPE, NORM_ROWS, INTERPRET)
         s = dot(q, tl.trans(dot_operand(k, DOT_DTYPE, INTERPRET)), DOT_DTYPE, INTERPRET)
@@ -390,7 +418,7 @@ def _key_loop(
 
 @triton.jit
 def attend_key_range(
-    q, acc, m_i, l_i, pos, row_valid, k_lo, k_hi, all_lo, all_hi,
+    q, acc, m_i, l_i, pos, row_valid, k_first, k_lo, k_hi, all_lo, all_hi,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
     stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -400,8 +428,12 @@ def attend_key_range(
     RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Online softmax of rows ``q [BLOCK_M, D_PAD]`` over keys ``[k_lo, k_hi)`` of one sequence.
+    """Online softmax of rows ``q [BLOCK_M, D_PAD]`` over keys ``[max(k_first, k_lo), k_hi)`` of one sequence.
 
+    ``k_lo`` is a multiple of ``BLOCK_N`` (tiles then sit on whole pages, see `load_block_ids`).
+    Keys of the first tile below ``k_first`` are masked (they belong to no row; not even a
+    ``0 * NaN`` of a raw value may reach the output), which only masked tiles check: every key
+    of ``[all_lo, all_hi)`` is at or past ``k_first``.
     ``pos [BLOCK_M]``: each row's absolute query position; key ``j`` is visible
     iff ``j <= pos`` (and ``j > pos - window`` when ``window > 0``);
     ``softcap > 0`` enables the soft cap. Both are runtime scalars (uniform
@@ -422,17 +454,15 @@ def attend_key_range(
     mid_lo = tl.minimum(k_lo + tl.cdiv(tl.maximum(all_lo - k_lo, 0), BLOCK_N) * BLOCK_N, k_hi)
     mid_lo = tl.maximum(mid_lo, k_lo)
     mid_hi = mid_lo + tl.maximum(tl.minimum(all_hi, k_hi) - mid_lo, 0) // BLOCK_N * BLOCK_N
-    lane = tl.arange(0, BLOCK_N)
     if PREFETCH:
         # Prologue of the hand pipeline: tile 0's words, tile 1's block ids.
-        keys = k_lo + lane
-        blk = load_block_ids(bt_ptr, bt_row, keys, keys < k_hi, num_blocks, PAGE_SIZE)
+        blk = load_block_ids(bt_ptr, bt_row, k_lo, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
         key_valid = blk >= 0
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
-            cache_u8, cache_i16, blk, keys, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
-            PAGE_SIZE, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+            cache_u8, cache_i16, blk, k_lo, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+            PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
-        blk_next = load_block_ids(bt_ptr, bt_row, keys + BLOCK_N, (keys + BLOCK_N) < k_hi, num_blocks, PAGE_SIZE)
+        blk_next = load_block_ids(bt_ptr, bt_row, k_lo + BLOCK_N, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
     else:
         # Placeholders: without the hand pipeline each tile loads its own words.
         blk_next = tl.zeros([BLOCK_N], tl.int32)
@@ -442,7 +472,7 @@ def attend_key_range(
         knorm = tl.zeros([BLOCK_N], tl.int16)
         vscale, vzero = knorm, knorm
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
-        q, acc, m_i, l_i, pos, row_valid, k_lo, mid_lo, k_hi,
+        q, acc, m_i, l_i, pos, row_valid, k_lo, mid_lo, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True,
@@ -450,7 +480,7 @@ def attend_key_range(
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
         DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
-        q, acc, m_i, l_i, pos, row_valid, mid_lo, mid_hi, k_hi,
+        q, acc, m_i, l_i, pos, row_valid, mid_lo, mid_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, False,
@@ -458,7 +488,7 @@ def attend_key_range(
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
         DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
-        q, acc, m_i, l_i, pos, row_valid, mid_hi, k_hi, k_hi,
+        q, acc, m_i, l_i, pos, row_valid, mid_hi, k_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True,
