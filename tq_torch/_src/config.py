@@ -121,12 +121,16 @@ _MAX_SPLITS = 64
 # Triton's pipeliner with `num_stages`.
 _TILES_D128 = {
     "decode": {
-        "mse4": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=None, programs_per_sm=8, prefetch=True),
+        # programs_per_sm: resident programs per SM (registers) x waves. 4 warps x 255 registers: 2.
+        "mse4": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=None, programs_per_sm=4, prefetch=True),
         # One-warp programs: no cross-warp softmax reductions (barriers) per key tile. H100, B=32 x 8k,
-        # same call: k8v4 624 -> 451 us, 3bit_nc 777 -> 668 us; 4-bit codes stay faster on 4 warps.
-        "mse3": dict(block_n=16, num_warps=1, num_stages=1, maxnreg=None, programs_per_sm=32, prefetch=True),
-        "fp8": dict(block_n=16, num_warps=1, num_stages=1, maxnreg=None, programs_per_sm=32, prefetch=True),
-        "raw": dict(block_n=64, num_warps=4, num_stages=3, maxnreg=None, programs_per_sm=2, prefetch=False),
+        # same call: k8v4 624 -> 451 us, 3bit_nc 777 -> 668 us; 4-bit codes stay faster on 4 warps
+        # (and these stay faster on one: steps.md, eleventh session). programs_per_sm 34 keeps their
+        # 17 splits at B=32 x Hkv 8 (16 were 1-3 % slower, same call).
+        "mse3": dict(block_n=16, num_warps=1, num_stages=1, maxnreg=None, programs_per_sm=34, prefetch=True),
+        "fp8": dict(block_n=16, num_warps=1, num_stages=1, maxnreg=None, programs_per_sm=34, prefetch=True),
+        # 2 resident (three pipeline stages of shared memory) x 2 waves.
+        "raw": dict(block_n=64, num_warps=4, num_stages=3, maxnreg=None, programs_per_sm=4, prefetch=False),
     },
     "extend": {
         "mse4": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
@@ -183,17 +187,21 @@ def decode_num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_
                       interpret: bool, programs_per_sm: int = 4) -> int:
     """Splits of the decode path, from static shapes only (CUDA-graph safe).
 
-    Enough (seq, kv head, split) programs to fill the GPU ``programs_per_sm`` times, no more
-    splits than key tiles a sequence can have, and partial buffers kept under
-    a fixed budget.
+    As many (seq, kv head, split) programs as fit in ``programs_per_sm`` per SM, without going
+    over it: the tile table sets it to whole waves of resident programs, so the last wave is
+    not a small fraction of one. At least two key tiles per split, and partial buffers kept
+    under a fixed budget.
+
+    Measured on an H100 (4bit_nc, against rounding up to 8 programs per SM): GQA 8, B=32 x 8k:
+    4 splits 0.243 ms, 9 splits 0.262 ms; B=1 x 4k, CUDA graph: 32 splits 21.5 us, 64 splits 25.0 us.
     """
     max_tiles = max(1, -(-max_context // block_n))
     if interpret:
         want = 4  # exercises the merge, including empty splits on short sequences
     else:
         programs = max(1, num_seqs * num_kv_heads)
-        want = -(-programs_per_sm * sm_count(device) // programs)
-    splits = max(1, min(want, max_tiles, _MAX_SPLITS))
+        want = programs_per_sm * sm_count(device) // programs
+    splits = max(1, min(want, max_tiles // 2, _MAX_SPLITS))
     per_split = max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
     while splits > 1 and splits * per_split > _PARTIALS_BUDGET:
         splits //= 2

@@ -501,7 +501,11 @@ def attend_key_range(
 @triton.jit
 def load_query_rows(q_ptr, q_tok, q_head, row_valid, stride_qt, stride_qh, d,
                     D: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Query rows ``[BLOCK_M, D_PAD]`` as dot operands (0 in padding rows / lanes)."""
+    """Query rows ``[BLOCK_M, D_PAD]`` as dot operands (0 in padding rows / lanes).
+
+    ``q_ptr``: the query's dtype, or float64 for a rotated query (mse presets), rounded here to
+    fp32 first, then to ``DOT_DTYPE``.
+    """
     ptrs = q_ptr + q_tok.to(tl.int64)[:, None] * stride_qt + q_head.to(tl.int64)[:, None] * stride_qh \
         + d[None, :]
     q = tl.load(ptrs, mask=row_valid[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)

@@ -130,10 +130,12 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     plan = _plan(setup, preset, path, query, kv_cache, block_table, out, sinks, num_splits, interpret)
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = centroids if centroids is not None else plan.centroids
-        # q_rot = Pi @ q once per call, in float64 then rounded to fp32 (immune
-        # to a global TF32 setting); scores are taken in the rotated space.
+        # q_rot = Pi @ q once per call, in float64 (immune to a global TF32
+        # setting); scores are taken in the rotated space. The kernels' query
+        # load rounds it to fp32 (`kv_tiles.load_query_rows`), the rounding a
+        # separate cast kernel would do, one launch fewer.
         rot_t = plan.rotation_f64_t if rotation is None else rotation.to(torch.float64).t()
-        q = torch.matmul(query.to(torch.float64), rot_t).to(torch.float32)
+        q = torch.matmul(query.to(torch.float64), rot_t)
     else:
         q = query if query.stride(-1) == 1 else query.contiguous()
         cents = seq_lens  # dummy pointer, never dereferenced for these formats
