@@ -177,9 +177,11 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
         row_valid = (r_tok < bq) & (tok < q_len)
         head = kv_head * g_size + km.rem_nonneg(r, g_size)
         pos = seq_len - q_len + tok
-        # Keys any row of this tile may see: [k_lo, k_hi).
+        # Keys any row of this tile may see: [k_first, k_hi).
         k_hi = seq_len - q_len + jnp.minimum(tok0 + bq, q_len)
-        k_lo = 0 if cfg.window is None else jnp.maximum(seq_len - q_len + tok0 - cfg.window + 1, 0)
+        k_first = 0 if cfg.window is None else jnp.maximum(seq_len - q_len + tok0 - cfg.window + 1, 0)
+        # Tiles start on multiples of block_n (page-aligned tiles: `kv_tiles.load_block_ids`).
+        k_lo = k_first if cfg.window is None else km.div_nonneg(k_first, spec.block_n) * spec.block_n
         if cfg.split_kv:
             per_split = km.div_nonneg(jnp.maximum(k_hi - k_lo, 0) + cfg.num_splits - 1, cfg.num_splits)
             chunk = km.div_nonneg(per_split + spec.block_n - 1, spec.block_n) * spec.block_n
@@ -195,7 +197,7 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
         state = (jnp.full((cfg.block_m,), -jnp.inf, jnp.float32), jnp.zeros((cfg.block_m,), jnp.float32),
                  jnp.zeros((cfg.block_m, dp), jnp.float32))
         m, l, acc = attend_key_range(
-            spec, q, state, pos, row_valid, k_lo, k_hi, cache_ref=cache_ref,
+            spec, q, state, pos, row_valid, k_first, k_lo, k_hi, cache_ref=cache_ref,
             bt_ref=bt_ref, tab_ref=tab_ref, b=b, kv_head=kv_head, scale=cfg.scale, soft_cap=cfg.soft_cap,
             window=cfg.window)
         if cfg.split_kv:

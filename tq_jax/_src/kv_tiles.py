@@ -17,7 +17,11 @@ Conventions:
   ``i + 2`` are in flight, carried in the `lax.fori_loop` state. (Byte loads
   that still need a split into codes are not something Triton's pipeliner
   stages; ``num_stages`` > 1 is left to the tile table.)
-* Loads of keys outside ``[k_lo, k_hi)``, and of keys whose block id is
+* Tiles start on multiples of ``block_n`` (`attend_key_range`), so when one
+  of ``block_n`` and the page size divides the other the block table is read
+  once per page and a key's place in its page needs no per-key division
+  (`load_block_ids`, `in_page_offsets`).
+* Loads of keys outside ``[k_first, k_hi)``, and of keys whose block id is
   outside ``[0, N)``, are masked: pages the sequence does not own are never
   touched and those keys read as 0 and are not visible. Scores of keys a row
   may not see become -inf with `jnp.where` (not a multiply), values enter
@@ -82,26 +86,60 @@ class RawTile(NamedTuple):
     value_zero: object
 
 
-def load_block_ids(spec: TileSpec, bt_ref, b, keys, in_range):
-    """Block ids ``[BN]`` of key positions `keys` of sequence `b`; -1 where the key is masked.
+def load_block_ids(spec: TileSpec, bt_ref, b, start, k_hi):
+    """Block ids ``[BN]`` int32 of key positions ``start + arange(BN)`` of sequence `b`; -1 past `k_hi`.
 
-    Keys outside `in_range` read nothing. A block id outside ``[0, N)`` (bad
-    metadata, or a dequant workspace's unused entry) also comes back as -1:
-    the caller masks that key, so no load leaves the cache (the metadata
-    guard tq_torch has too).
+    `start` is a multiple of ``block_n`` (`attend_key_range` aligns its tiles). When one of
+    ``block_n`` and the page size divides the other, a tile is inside one page or covers whole
+    pages, and the block table is read once per page: one scalar load, or loads that share
+    address and mask within a page (so they are one), not one per key. A block id outside
+    ``[0, N)`` (bad metadata, or a dequant workspace's unused entry) also comes back as -1:
+    the caller masks that key, so no load leaves the cache (the metadata guard tq_torch has
+    too).
     """
-    col = jnp.minimum(km.div_nonneg(keys, spec.block_size), spec.max_blocks - 1)
-    blk = pltriton.load(bt_ref.at[b, col], mask=in_range, other=-1)
-    return jnp.where((blk >= 0) & (blk < spec.num_blocks), blk, -1)
+    page, bn = spec.block_size, spec.block_n
+    lane = lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    # The page size is static (one compile per page size); columns are clamped so that
+    # even a masked load's address stays inside the block table.
+    if page % bn == 0:
+        col = jnp.minimum(km.div_nonneg(start, page), spec.max_blocks - 1)
+        blk = pltriton.load(bt_ref.at[b, col], mask=start < k_hi, other=-1)
+    elif bn % page == 0:
+        in_tile = km.div_nonneg(lane, page)
+        col = jnp.minimum(km.div_nonneg(start, page) + in_tile, spec.max_blocks - 1)
+        blk = pltriton.load(bt_ref.at[b, col], mask=start + in_tile * page < k_hi, other=-1)
+    else:
+        keys = start + lane
+        col = jnp.minimum(km.div_nonneg(keys, page), spec.max_blocks - 1)
+        blk = pltriton.load(bt_ref.at[b, col], mask=keys < k_hi, other=-1)
+    blk = jnp.where((blk >= 0) & (blk < spec.num_blocks), blk, -1)
+    return jnp.where(start + lane < k_hi, blk, -1)
 
 
-def fetch_kv_tile(spec: TileSpec, cache_ref, blk, keys, kv_head, valid) -> RawTile:
-    """Issues every load of the K/V tile of positions `keys` (block ids `blk`, keys with `valid`
-    False read nothing); nothing is decoded, so the loads stay in flight."""
+def in_page_offsets(spec: TileSpec, start):
+    """int32 ``[BN]``: the place in its page of each key ``start + arange(BN)`` (tq_torch's
+    ``slot_word_offsets``; here the cache ref is indexed by block id and this offset).
+
+    `start` is a multiple of ``block_n``, so when one of ``block_n`` and the page size
+    divides the other a key's place in its page is ``lane % P`` (loop-invariant) or
+    ``start % P + lane``; otherwise one division per key.
+    """
+    page, bn = spec.block_size, spec.block_n
+    lane = lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    if page % bn == 0:
+        return lane + km.rem_nonneg(start, page)
+    if bn % page == 0:
+        return km.rem_nonneg(lane, page)
+    return km.rem_nonneg(start + lane, page)
+
+
+def fetch_kv_tile(spec: TileSpec, cache_ref, blk, start, kv_head, valid) -> RawTile:
+    """Issues every load of the K/V tile of positions ``start + arange(BN)`` (block ids `blk`, keys
+    with `valid` False read nothing); nothing is decoded, so the loads stay in flight."""
     lay, acc = spec.lay, spec.access
     p = lay.preset
     d, dp = spec.head_dim, spec.head_dim_padded
-    off = km.rem_nonneg(keys, spec.block_size)
+    off = in_page_offsets(spec, start)
 
     def field(byte0, bits):
         if bits == 3:
@@ -258,9 +296,16 @@ def _dot(a, b, contract_b: int, compute_dtype):
                            precision=prec, preferred_element_type=jnp.float32)
 
 
-def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_lo, k_hi, *, cache_ref, bt_ref, tab_ref, b,
-                     kv_head, scale: float, soft_cap: float | None, window: int | None):
-    """Online softmax of query rows over keys ``[k_lo, k_hi)`` of sequence `b`.
+def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_hi, *, cache_ref, bt_ref,
+                     tab_ref, b, kv_head, scale: float, soft_cap: float | None, window: int | None):
+    """Online softmax of query rows over keys ``[max(k_first, k_lo), k_hi)`` of sequence `b`.
+
+    ``k_lo`` is a multiple of ``block_n`` (tiles then sit on whole pages, see `load_block_ids`).
+    Keys of the first tile below ``k_first`` are masked (they belong to no row; not even a
+    ``0 * NaN`` of a raw value may reach the output; their loads are masked too). Only the
+    first tile can hold such keys: the hand-pipelined loop checks tile 0's block ids once, the
+    plain loop each tile's (one compare and select per key); without a window ``k_first`` is 0
+    and nothing is checked.
 
     ``q``: `load_query_parts` (a tuple of compute-dtype ``[M, Dp / parts]``).
 
@@ -272,18 +317,23 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_lo, k_hi, *, ca
     bn = spec.block_n
     cdt = spec.compute_dtype
     lane = lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    k_lo = jnp.asarray(k_lo, jnp.int32)
     n_tiles = km.div_nonneg(jnp.maximum(k_hi - k_lo, 0) + bn - 1, bn)
 
     def block_ids(start):
-        keys = start + lane
-        return load_block_ids(spec, bt_ref, b, keys, keys < k_hi)
+        return load_block_ids(spec, bt_ref, b, start, k_hi)
+
+    def window_block_ids(start):
+        # Tiles start on a multiple of block_n: keys before k_first are no row's.
+        blk = block_ids(start)
+        return blk if window is None else jnp.where(start + lane >= k_first, blk, -1)
 
     def fetch(blk, start):
-        return fetch_kv_tile(spec, cache_ref, blk, start + lane, kv_head, blk >= 0)
+        return fetch_kv_tile(spec, cache_ref, blk, start, kv_head, blk >= 0)
 
     def compute(start, blk, raw, m, l, acc):
         keys = start + lane
-        valid = blk >= 0  # in [k_lo, k_hi) with a block id inside the cache
+        valid = blk >= 0  # in [max(k_first, k_lo), k_hi) with a block id inside the cache
         ks, factor = decode_key_tile(spec, raw, tab_ref)
         s = _dot(q[0], ks[0], 1, cdt)
         for qj, kj in zip(q[1:], ks[1:]):
@@ -319,7 +369,7 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_lo, k_hi, *, ca
         def body(i, carry):
             m, l, acc = carry
             start = k_lo + i * bn
-            blk = block_ids(start)
+            blk = window_block_ids(start)
             return compute(start, blk, fetch(blk, start), m, l, acc)
 
         return lax.fori_loop(0, n_tiles, body, (m, l, acc))
@@ -335,7 +385,8 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_lo, k_hi, *, ca
         return m, l, acc, raw_next, blk_next, blk_after
 
     # Prologue: tile 0's bytes, tile 1's block ids (all masked when the range is empty).
-    blk0 = block_ids(k_lo)
+    # Only tile 0 can hold keys before k_first.
+    blk0 = window_block_ids(k_lo)
     init = (m, l, acc, fetch(blk0, k_lo), blk0, block_ids(k_lo + bn))
     m, l, acc, *_ = lax.fori_loop(0, n_tiles, body_prefetch, init)
     return m, l, acc
