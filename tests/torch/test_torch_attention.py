@@ -66,6 +66,24 @@ def test_every_path_matches_reference(case, preset):
     assert torch.equal(built.kv_cache, cache_before), "attention must not write the cache"
 
 
+@pytest.mark.parametrize("seqs, kv_heads, context, expected", [
+    (32, 4, 8192, 4),  # 128 programs: 4 splits fill 4 per SM on 132 SMs, 5 would spill into a new wave
+    (32, 8, 8192, 2),
+    (1, 8, 4096, 32),  # 64 key tiles: at least two per split
+    (1, 8, 40, 1),  # one tile
+])
+def test_decode_num_splits_fills_whole_waves(monkeypatch, seqs, kv_heads, context, expected):
+    # The automatic split count on a GPU (host arithmetic only): as many programs as fit in
+    # programs_per_sm x SMs, never more, with at least two 64-key tiles per split.
+    from tq_torch._src import config
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
+    splits = config.decode_num_splits(
+        num_seqs=seqs, num_kv_heads=kv_heads, num_tokens=seqs, num_q_heads=32, head_dim=128,
+        max_context=context, block_n=64, device=torch.device("cuda"), interpret=False, programs_per_sm=4)
+    assert splits == expected
+    assert splits == 1 or seqs * kv_heads * splits <= 4 * 132
+
+
 @pytest.mark.parametrize("preset", ["turboquant_k3v4_nc", "fp16"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_split_counts(preset, num_splits):

@@ -129,7 +129,8 @@ _TILES_D128 = {
         # 17 splits at B=32 x Hkv 8 (16 were 1-3 % slower, same call).
         "mse3": dict(block_n=16, num_warps=1, num_stages=1, maxnreg=None, programs_per_sm=34, prefetch=True),
         "fp8": dict(block_n=16, num_warps=1, num_stages=1, maxnreg=None, programs_per_sm=34, prefetch=True),
-        # 2 resident (three pipeline stages of shared memory) x 2 waves.
+        # 2 resident assumed (three pipeline stages of K/V tiles in shared memory) x 2 waves: the 2
+        # splits it had at B=32 x Hkv 8.
         "raw": dict(block_n=64, num_warps=4, num_stages=3, maxnreg=None, programs_per_sm=4, prefetch=False),
     },
     "extend": {

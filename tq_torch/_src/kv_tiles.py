@@ -205,8 +205,8 @@ def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
 
 @triton.jit
 def _fetch_keys(cache_u8, cache_i16, blk, start, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
-                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr,
-                KEY_FIELD_BITS: tl.constexpr, KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr,
                 VALUE_FIELD_BITS: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
                 VALUE_ZERO_OFF: tl.constexpr):
     """`fetch_kv_tile` of key positions ``start + arange(BLOCK_N)`` in pages ``blk`` (block ids, -1 = masked)."""
