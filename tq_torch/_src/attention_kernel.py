@@ -96,7 +96,7 @@ def paged_attention_kernel(
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
-    RAW_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT_KV: tl.constexpr,
+    RAW_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT_KV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
     INTERPRET: tl.constexpr,
     SEQ_CHUNK: tl.constexpr = 128,
@@ -139,7 +139,7 @@ def paged_attention_kernel(
         acc, m_i, l_i = attend_key_range(
             q, acc, m_i, l_i, pos, row_valid, k_first, k_lo, k_hi, all_lo, all_hi,
             bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_u8, cache_i16, cb_ptr,
-            stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
+            stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, HAS_SOFTCAP,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
             DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET,
@@ -212,7 +212,7 @@ def launch_tiles_spec(spec: tuple, q, out, part_acc, part_m, part_l, kv_cache, c
         q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
         query_start_loc, sinks if sinks is not None else q,
         qs[0], qs[1], os_[0], os_[1], block_table.stride(0), cs[0], cs[1], cs[2],
-        sm_scale, softcap, window, *ints, **kwargs,
+        sm_scale, softcap, window, *ints, HAS_SOFTCAP=softcap > 0, **kwargs,
     )
 
 

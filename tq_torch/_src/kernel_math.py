@@ -68,16 +68,17 @@ def dot_operand(x, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def dot(a, b, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """``a @ b`` with fp32 accumulation over operands made by `dot_operand`.
+def dot(a, b, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
+    """``acc + a @ b`` (``acc`` None: ``a @ b``) with fp32 accumulation over operands made by `dot_operand`.
 
     fp32 operands use IEEE fp32 products (never TF32): fp32 queries ask for
-    fp32 accuracy, and the tolerance is derived from IEEE fp32 math.
+    fp32 accuracy, and the tolerance is derived from IEEE fp32 math. An
+    ``acc [M, N]`` fp32 is the tensor cores' accumulator input: no separate add.
     """
     if DOT_DTYPE == tl.float32 or INTERPRET:
-        return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
     else:
-        return tl.dot(a, b, out_dtype=tl.float32)
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
 
 
 # `_lane_entry`'s PTX: $1 table pointer, $2 lane mask (SIZE - 1), $3 square scale.

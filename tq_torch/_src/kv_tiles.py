@@ -327,7 +327,7 @@ def _key_loop(
     ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
     stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
@@ -371,7 +371,7 @@ def _key_loop(
         k, k_factor = decode_key_tile(c_ka, c_kb, c_kc, c_knorm, cb_ptr, c_valid, square_scale, KEY_FORMAT,
                                       KEY_FIELD_BITS, NORM_CORRECTION, RAW_DTYPE, DOT_DTYPE, NORM_ROWS, INTERPRET)
         s = dot(q, tl.trans(dot_operand(k, DOT_DTYPE, INTERPRET)), DOT_DTYPE, INTERPRET)
-        if softcap > 0:
+        if HAS_SOFTCAP:
             # On the scaled logits, before masking (DESIGN.md section 3).
             s = _scale_scores(s, k_factor, sm_scale, NORM_ROWS)
             s = (softcap * LOG2E) * tanh_f32(s / softcap)
@@ -394,8 +394,8 @@ def _key_loop(
             # Raw values: no scale; p is already 0 where a key is not visible.
             v, v_scale, v_zero = decode_value_tile(c_va, c_vb, c_vc, c_vscale, c_vzero, c_valid, VALUE_FORMAT,
                                                    VALUE_FIELD_BITS, RAW_DTYPE)
-            pv = dot(dot_operand(p, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
-                     DOT_DTYPE, INTERPRET)
+            acc = dot(dot_operand(p, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
+                      DOT_DTYPE, INTERPRET, acc * alpha[:, None])
         else:
             # P @ (codes * scale + zero) = (P * scale) @ (codes + bias) + P @ zero - bias * sum(P * scale),
             # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE). `where` on the
@@ -405,10 +405,9 @@ def _key_loop(
             v_scale = _fp16_bits_to_f32(c_vscale)
             v_zero = _fp16_bits_to_f32(c_vzero)
             p_v = dot_operand(tl.where(visible, p * v_scale[None, :], 0.0), DOT_DTYPE, INTERPRET)
-            pv = dot(p_v, v, DOT_DTYPE, INTERPRET)
-            pv += tl.sum(tl.where(visible, p * v_zero[None, :], 0.0) - v_bias * p_v.to(tl.float32),
-                         axis=1)[:, None]
-        acc = acc * alpha[:, None] + pv
+            zero_term = tl.sum(tl.where(visible, p * v_zero[None, :], 0.0) - v_bias * p_v.to(tl.float32), axis=1)
+            # The rescaled accumulator is the dot's accumulator input (no copies into a fresh one).
+            acc = dot(p_v, v, DOT_DTYPE, INTERPRET, acc * alpha[:, None] + zero_term[:, None])
         m_i = m_new
         if PREFETCH:
             ka, kb, kc, knorm, va, vb, vc, vscale, vzero = ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n
@@ -420,7 +419,7 @@ def _key_loop(
 def attend_key_range(
     q, acc, m_i, l_i, pos, row_valid, k_first, k_lo, k_hi, all_lo, all_hi,
     bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-    stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window,
+    stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, HAS_SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
@@ -436,8 +435,9 @@ def attend_key_range(
     of ``[all_lo, all_hi)`` is at or past ``k_first``.
     ``pos [BLOCK_M]``: each row's absolute query position; key ``j`` is visible
     iff ``j <= pos`` (and ``j > pos - window`` when ``window > 0``);
-    ``softcap > 0`` enables the soft cap. Both are runtime scalars (uniform
-    branches): one compiled kernel serves every masking variant. Keys in
+    ``window`` is a runtime scalar (a uniform branch, taken only in edge tiles): one
+    compiled kernel serves every window. ``HAS_SOFTCAP`` (``softcap > 0``) is a constexpr: a
+    branch in the key loop would cut its body in two basic blocks that ptxas schedules apart. Keys in
     ``[all_lo, all_hi)`` are visible to every valid row: whole tiles inside it
     skip the causal and window checks. Returns the updated
     ``(acc [BLOCK_M, D_PAD], m_i, l_i)`` (unnormalised, log2 domain).
@@ -475,7 +475,7 @@ def attend_key_range(
         q, acc, m_i, l_i, pos, row_valid, k_lo, mid_lo, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
         DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
@@ -483,7 +483,7 @@ def attend_key_range(
         q, acc, m_i, l_i, pos, row_valid, mid_lo, mid_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, False,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, False, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
         DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
@@ -491,7 +491,7 @@ def attend_key_range(
         q, acc, m_i, l_i, pos, row_valid, mid_hi, k_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
         bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
-        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True,
+        stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
         DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
