@@ -503,8 +503,8 @@ def load_query_rows(q_ptr, q_tok, q_head, row_valid, stride_qt, stride_qh, d,
                     D: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """Query rows ``[BLOCK_M, D_PAD]`` as dot operands (0 in padding rows / lanes).
 
-    ``q_ptr``: the query's dtype, or float64 for a rotated query (mse presets), rounded here to
-    fp32 first, then to ``DOT_DTYPE``.
+    ``q_ptr``: the query's dtype (a rotated query, mse presets, comes in it too:
+    `rotation.rotate_query`), converted here to ``DOT_DTYPE``.
     """
     ptrs = q_ptr + q_tok.to(tl.int64)[:, None] * stride_qt + q_head.to(tl.int64)[:, None] * stride_qh \
         + d[None, :]

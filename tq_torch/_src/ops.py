@@ -21,6 +21,7 @@ import tq_spec
 from . import config, params
 from .decode import decode_spec, launch_decode_spec
 from .extend import launch_extend
+from .rotation import rotate_query
 from .store import launch_store_kv
 from .workspace import launch_dequant
 
@@ -64,7 +65,6 @@ class _Plan(NamedTuple):
     """What a call of one static signature needs besides its tensors (built once, see `_plan`)."""
 
     centroids: Optional[torch.Tensor]  # default tables (mse presets), on the call's device
-    rotation_f64_t: Optional[torch.Tensor]
     decode: Optional[tuple]  # `decode.decode_spec`, decode path only
 
 
@@ -82,10 +82,9 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
     if plan is not None:
         return plan
     t, hq, d = query.shape
-    cents = rot = spec = None
+    cents = spec = None
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = params.default_centroids(preset, d, dev)
-        rot = params.default_rotation_f64_t(preset, d, dev)
     if path == "decode":
         n, page, hkv, _ = kv_cache.shape
         num_seqs, max_blocks = block_table.shape
@@ -100,7 +99,7 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
             dot_dtype=config.TORCH_TO_TL[query.dtype], out_dtype=config.TORCH_TO_TL[out.dtype],
             interpret=interpret, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
             maxnreg=tiles["maxnreg"], prefetch=tiles["prefetch"])
-    plan = _Plan(cents, rot, spec)
+    plan = _Plan(cents, spec)
     if len(plans) >= _MAX_PLANS:
         plans.clear()
     plans[key] = plan
@@ -130,12 +129,9 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     plan = _plan(setup, preset, path, query, kv_cache, block_table, out, sinks, num_splits, interpret)
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = centroids if centroids is not None else plan.centroids
-        # q_rot = Pi @ q once per call, in float64 (immune to a global TF32
-        # setting); scores are taken in the rotated space. The kernels' query
-        # load rounds it to fp32 (`kv_tiles.load_query_rows`), the rounding a
-        # separate cast kernel would do, one launch fewer.
-        rot_t = plan.rotation_f64_t if rotation is None else rotation.to(torch.float64).t()
-        q = torch.matmul(query.to(torch.float64), rot_t)
+        # q_rot = Pi @ q once per call, in the query's dtype (`rotation.rotate_query`); scores are
+        # taken in the rotated space.
+        q = rotate_query(query, preset, rotation)
     else:
         q = query if query.stride(-1) == 1 else query.contiguous()
         cents = seq_lens  # dummy pointer, never dereferenced for these formats

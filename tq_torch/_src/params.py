@@ -57,14 +57,6 @@ def default_rotation(preset_name: str, head_dim: int, device: torch.device) -> t
                    lambda: _to_device(tq_spec.quant_params(preset_name, head_dim).rotation, device))
 
 
-def default_rotation_f64_t(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
-    """`default_rotation` (float32 values) as float64, transposed: ``[D, D]`` for ``q @ Pi^T``."""
-    def make():
-        rot = tq_spec.quant_params(preset_name, head_dim).rotation
-        return torch.from_numpy(np.array(rot, dtype=np.float32).astype(np.float64).T.copy()).to(device)
-    return _cached(("rotation_f64_t", preset_name, head_dim, str(device)), make)
-
-
 def default_centroids(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
     return _cached(("centroids", preset_name, head_dim, str(device)),
                    lambda: _to_device(tq_spec.quant_params(preset_name, head_dim).codebook.centroids, device))

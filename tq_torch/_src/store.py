@@ -213,7 +213,7 @@ def _split3(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def rotate_signs(k, kf, signs, IN_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """``K @ S`` for a +-1 matrix ``signs [D, N]`` (a dot operand, `_load_rotation`): exact products, fp32 sums.
+    """``K @ S`` for a +-1 matrix ``signs [D, N]`` (a dot operand, `load_rotation`): exact products, fp32 sums.
 
     16-bit keys are dot operands as they are (fp16 keys with fp16 signs); a
     float32 key is the exact sum of three bf16 parts, dotted smallest first.
@@ -362,7 +362,7 @@ def _encode_tile(
         row_scale = tl.math.div_rn(tl.zeros_like(norm) + rot_scale, norm + NORM_EPS)
         for c0 in tl.static_range(0, D, ROT_N):
             if not ROT_RESIDENT:
-                rot_0, rot_1, rot_2 = _load_rotation(rot_ptr, c0, ROT_MODE, D, ROT_N, IN_DTYPE, INTERPRET)
+                rot_0, rot_1, rot_2 = load_rotation(rot_ptr, c0, ROT_MODE, D, ROT_N, IN_DTYPE, INTERPRET)
             if ROT_MODE == 0:
                 acc = rotate_signs(k, kf, rot_0, IN_DTYPE, INTERPRET)
             else:
@@ -395,7 +395,7 @@ def _encode_tile(
 
 
 @triton.jit
-def _load_rotation(rot_ptr, c0: tl.constexpr, ROT_MODE: tl.constexpr, D: tl.constexpr, ROT_N: tl.constexpr,
+def load_rotation(rot_ptr, c0: tl.constexpr, ROT_MODE: tl.constexpr, D: tl.constexpr, ROT_N: tl.constexpr,
                    IN_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """Rotation operands ``[D, ROT_N]`` for output columns ``c0 ..`` (three; unused ones are 0).
 
@@ -435,7 +435,7 @@ def _store_kv_kernel(
     # next tile's K/V loads are in flight while this one is encoded.
     ROT_RESIDENT: tl.constexpr = KEY_FORMAT == 2 and D <= ROT_N
     if ROT_RESIDENT:
-        rot_0, rot_1, rot_2 = _load_rotation(rot_ptr, 0, ROT_MODE, D, ROT_N, IN_DTYPE, INTERPRET)
+        rot_0, rot_1, rot_2 = load_rotation(rot_ptr, 0, ROT_MODE, D, ROT_N, IN_DTYPE, INTERPRET)
     else:
         rot_0, rot_1, rot_2 = 0, 0, 0
     pid = tl.program_id(0)
