@@ -381,10 +381,13 @@ def _key_loop(
             visible = c_valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
             if window > 0:
                 visible = visible & (keys[None, :] > pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         else:
-            # Padding rows need no mask here: their scores are never stored.
-            visible = c_valid[None, :] & (pos >= -2147483647)[:, None]
-        s = tl.where(visible, s, float("-inf"))
+            # Every valid key of these tiles is visible to every row (padding rows' scores are
+            # never stored). A masked key (bad block id) was loaded as zeros, so its score is
+            # finite (or NaN from a NaN query, whose row is NaN anyway) and adding -inf masks it:
+            # one add per score (fused with the scaling), no select.
+            s = s + tl.where(c_valid, 0.0, float("-inf"))[None, :]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -398,14 +401,21 @@ def _key_loop(
                       DOT_DTYPE, INTERPRET, acc * alpha[:, None])
         else:
             # P @ (codes * scale + zero) = (P * scale) @ (codes + bias) + P @ zero - bias * sum(P * scale),
-            # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE). `where` on the
-            # visibility, not the product alone: a masked key's garbage scale or zero (NaN/Inf) must
-            # not reach the output as 0 * NaN.
+            # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE).
             v, v_bias = _biased_value_operand(c_va, c_vb, c_vc, VALUE_FIELD_BITS, DOT_DTYPE, INTERPRET)
             v_scale = _fp16_bits_to_f32(c_vscale)
             v_zero = _fp16_bits_to_f32(c_vzero)
-            p_v = dot_operand(tl.where(visible, p * v_scale[None, :], 0.0), DOT_DTYPE, INTERPRET)
-            zero_term = tl.sum(tl.where(visible, p * v_zero[None, :], 0.0) - v_bias * p_v.to(tl.float32), axis=1)
+            p_scale = p * v_scale[None, :]
+            p_zero = p * v_zero[None, :]
+            if MASKED:
+                # `where` on the visibility, not the product alone: the garbage scale or zero
+                # (NaN/Inf) of a key that is in the cache but not visible to a row must not reach
+                # the output as 0 * NaN. (In unmasked tiles every valid key is visible, and masked
+                # keys were loaded as zeros.)
+                p_scale = tl.where(visible, p_scale, 0.0)
+                p_zero = tl.where(visible, p_zero, 0.0)
+            p_v = dot_operand(p_scale, DOT_DTYPE, INTERPRET)
+            zero_term = tl.sum(p_zero - v_bias * p_v.to(tl.float32), axis=1)
             # The rescaled accumulator is the dot's accumulator input (no copies into a fresh one).
             acc = dot(p_v, v, DOT_DTYPE, INTERPRET, acc * alpha[:, None] + zero_term[:, None])
         m_i = m_new
