@@ -65,18 +65,19 @@ class JaxLeg(KernelModuleLeg):
         import math
 
         import tq_spec
-        from tq_jax._src.attention import _paged_attention
+        from tq_jax._src.attention import _paged_attention, query_rotation
         from tq_jax._src.params import resolve
 
         lay = tq_spec.layout(preset, int(query.shape[-1]))
         kp = resolve(lay.preset, lay.head_dim, rotation, codebook)
+        rot, rotation_scale = query_rotation(lay.preset, lay.head_dim, rotation, kp.rotation, query.dtype)
         out = _paged_attention(
-            query, kv_cache, block_table, seq_lens, query_start_loc, sinks, kp.rotation, kp.centroids,
+            query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rot, kp.centroids,
             preset_name=lay.preset.name,
             scale=float(1.0 / math.sqrt(lay.head_dim) if scale is None else scale),
             sliding_window=None if sliding_window is None else int(sliding_window),
             logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            path="decode", num_splits=int(num_splits), interpret=None)
+            path="decode", num_splits=int(num_splits), interpret=None, rotation_scale=rotation_scale)
         return self._jax.block_until_ready(out)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tq_spec
-from tq_jax._src.attention import _paged_attention
+from tq_jax._src.attention import _paged_attention, query_rotation
 from tq_jax._src.params import resolve
 
 GARBAGE_BYTE = 0xFF
@@ -169,11 +169,13 @@ def attend(case, path, *, num_splits=None, word_view=None):
     """Runs one path on `case` with poisoned outputs (private entry, no re-validation)."""
     d = case.query.shape[-1]
     kp = resolve(case.preset, d, case.rotation)
+    rot, rotation_scale = query_rotation(tq_spec.get_preset(case.preset), d, case.rotation, kp.rotation,
+                                         case.query.dtype)
     kw = case.jax_kwargs()
     scale = kw.get("scale")
     return _paged_attention(
-        *case.jax_args(), kw.get("sinks"), kp.rotation, kp.centroids, preset_name=case.preset,
+        *case.jax_args(), kw.get("sinks"), rot, kp.centroids, preset_name=case.preset,
         scale=float(1.0 / math.sqrt(d) if scale is None else scale), sliding_window=kw.get("sliding_window"),
         logits_soft_cap=kw.get("logits_soft_cap"), path=path, num_splits=num_splits, interpret=None,
-        word_view=word_view, poison=True,
+        word_view=word_view, poison=True, rotation_scale=rotation_scale,
     )

@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import tq_spec
@@ -27,8 +28,9 @@ from .decode import decode_partials, merge_partials
 from .extend import extend_attention
 from .inputs import array, index_array, not_differentiable, validate_values
 from .kv_tiles import TileSpec, key_pair_tables
-from .params import resolve
+from .params import _default_tables, resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
+from .store import sign_form
 from .workspace import dequantize_pages, workspace_preset
 
 try:
@@ -55,6 +57,49 @@ def _kernel_tables(preset, head_dim: int, rotation, codebook):
     if default and not any(isinstance(x, _Tracer) for x in out):
         _DEFAULT_TABLES[key] = out
     return out
+
+
+def query_rotation(preset, head_dim: int, rotation, rot, query_dtype):
+    """``(operand, rotation_scale)`` of `_attend`'s query rotation; ``rotation_scale`` is static.
+
+    ``rot``: the rotation `_kernel_tables` gives (None for non-mse presets). A 16-bit query
+    with a rotation known on the host to be ``Pi = c * S``, ``S = +-1`` (tq_spec's default, or
+    such a numpy array) gets ``S`` in the query's dtype and ``c``: exact products on tensor
+    cores (`_attend`). Anything else gets ``(rot, None)``, the IEEE fp32 einsum.
+    """
+    if rot is None or jnp.dtype(query_dtype).itemsize != 2:
+        return rot, None
+    if rotation is None:
+        pi = _default_tables(preset.name, head_dim)[2]
+    elif isinstance(rotation, np.ndarray):
+        pi = rotation
+    else:
+        return rot, None
+    form = sign_form(np.ascontiguousarray(pi, dtype=np.float32).tobytes(), head_dim)
+    if form is None:
+        return rot, None
+    key = ("signs", preset.name, head_dim, jnp.dtype(query_dtype).name)
+    signs = _DEFAULT_TABLES.get(key) if rotation is None else None
+    if signs is None:
+        signs = jnp.asarray(form[0].T, query_dtype)  # form[0] is S^T
+        if rotation is None and not isinstance(signs, _Tracer):
+            _DEFAULT_TABLES[key] = signs
+    return signs, form[1]
+
+
+def rotate_query(query, rotation, rotation_scale):
+    """``Pi @ q`` per row of ``query [T, Hq, D]``, with `query_rotation`'s operand and scale.
+
+    ``rotation_scale`` c (``rotation`` is then ``S = +-1`` in the query's 16-bit dtype): the
+    products are exact and their fp32 sums exact unless the magnitudes span more than 2**16,
+    so the result is float64 ``Pi @ q`` rounded to fp32, then to the query's dtype (the
+    rounding the kernels would apply; tq_torch's `rotate_query` gives the same bits).
+    None: ``rotation`` is ``Pi``, an IEEE fp32 einsum, float32 result.
+    """
+    if rotation_scale is not None:
+        return (jnp.einsum("thd,rd->thr", query, rotation, preferred_element_type=jnp.float32)
+                * jnp.float32(rotation_scale)).astype(query.dtype)
+    return jnp.einsum("thd,rd->thr", query.astype(jnp.float32), rotation, precision=lax.Precision.HIGHEST)
 
 
 def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale=None,
@@ -109,12 +154,13 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
     problem = problem_for(query, kv_cache, block_table, preset=lay.preset, sliding_window=sliding_window)
     chosen = select_path(problem, path)
     rot, cents = _kernel_tables(lay.preset, d, rotation, codebook)
+    rot, rotation_scale = query_rotation(lay.preset, d, rotation, rot, query.dtype)
     return _paged_attention(
         query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rot, cents,
         preset_name=lay.preset.name, scale=float(1.0 / math.sqrt(d) if scale is None else scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        path=chosen, num_splits=None, interpret=interpret,
+        path=chosen, num_splits=None, interpret=interpret, rotation_scale=rotation_scale,
     )
 
 
@@ -150,15 +196,19 @@ def checked_arguments(query, kv_cache, block_table, seq_lens, query_start_loc, s
 @functools.partial(
     jax.jit,
     static_argnames=("preset_name", "scale", "sliding_window", "logits_soft_cap", "path", "num_splits",
-                     "interpret", "word_view", "poison"),
+                     "interpret", "word_view", "poison", "rotation_scale"),
 )
 def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
                      preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret,
-                     word_view=None, poison=False):
-    """The jitted op: `paged_attention_call` per lowering platform, not differentiable."""
+                     word_view=None, poison=False, rotation_scale=None):
+    """The jitted op: `paged_attention_call` per lowering platform, not differentiable.
+
+    ``rotation``, ``rotation_scale``: as `query_rotation` gives them.
+    """
     call = functools.partial(
         paged_attention_call, preset_name=preset_name, scale=scale, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, word_view=word_view, poison=poison,
+        rotation_scale=rotation_scale,
     )
 
     def op(*arrays):
@@ -181,13 +231,14 @@ def attention_compute_dtype(query_dtype) -> str:
 def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
                          *, preset_name: str, scale: float, sliding_window, logits_soft_cap, path: str,
                          num_splits: int | None, interpret: bool | None, word_view: bool | None = None,
-                         poison: bool = False):
+                         poison: bool = False, rotation_scale: float | None = None):
     """The launch without validation (traced inside `_paged_attention`).
 
     `num_splits` None picks the decode split count from the shapes; `word_view`
     None picks the cache view from its size (tests force both); `poison`
     makes the kernels write into NaN-filled buffers (tests); `interpret`
-    None falls back to `interpret_default()` (direct calls in tests).
+    None falls back to `interpret_default()` (direct calls in tests);
+    ``rotation_scale``: see `query_rotation` (None: ``rotation`` is ``Pi`` itself).
     """
     t, hq, d = query.shape
     if t == 0 or seq_lens.shape[0] == 0:  # no rows, or B = 0: every row is padding (zeros)
@@ -197,7 +248,7 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
     out = _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
                   preset_name=preset_name, scale=scale, sliding_window=sliding_window,
                   logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, interpret=interpret,
-                  word_view=word_view, poison=poison)
+                  word_view=word_view, poison=poison, rotation_scale=rotation_scale)
     # Padding rows (T bucketed past query_start_loc[B]) belong to no sequence:
     # no kernel writes them, so they are zeroed here, fused into the decode
     # merge (one select over the output on the extend path; no host sync).
@@ -208,19 +259,15 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
 
 def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
             preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret, word_view,
-            poison):
+            poison, rotation_scale=None):
     """The chosen path's kernel (+ the decode merge): ``[T, Hq, D]``, padding rows unspecified."""
     t, hq, d = query.shape
     n, page, hkv, _ = kv_cache.shape
     group = hq // hkv
     lay = tq_spec.layout(preset_name, d)
     cdt = attention_compute_dtype(query.dtype)
-    if rotation is not None:
-        # Rotate once per query (y = Pi @ q), in IEEE fp32; score in rotated space.
-        q = jnp.einsum("thd,rd->thr", query.astype(jnp.float32), rotation,
-                       precision=lax.Precision.HIGHEST)
-    else:
-        q = query
+    # Rotate once per query (y = Pi @ q); scores are taken in the rotated space.
+    q = query if rotation is None else rotate_query(query, rotation, rotation_scale)
     tables = None
     if centroids is not None:
         tables = key_pair_tables(centroids, lay.preset.key_bits, cdt, lay.preset.norm_correction)

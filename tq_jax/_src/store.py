@@ -142,7 +142,7 @@ def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codeb
 
 
 @functools.lru_cache(maxsize=64)
-def _sign_form(rotation_bytes: bytes, d: int):
+def sign_form(rotation_bytes: bytes, d: int):
     """(``S^T`` float32 numpy, ``c``) if the float32 rotation is ``c * S`` with ``S = +-1``, else None."""
     rot = np.frombuffer(rotation_bytes, dtype=np.float32).reshape(d, d)
     c = float(abs(rot[0, 0]))
@@ -179,7 +179,7 @@ def store_operands(lay, kp, rotation, codebook, key_dtype):
     if isinstance(rotation, jax.Array):
         return kp.rotation, (ROT_GENERAL, 1.0), mid_mode
     rot = _default_tables(lay.preset.name, d)[2] if rotation is None else np.asarray(rotation, np.float32)
-    form = _sign_form(np.ascontiguousarray(rot, dtype=np.float32).tobytes(), d)
+    form = sign_form(np.ascontiguousarray(rot, dtype=np.float32).tobytes(), d)
     if form is None:
         return kp.rotation, (ROT_GENERAL, 1.0), mid_mode
     op_dtype = jnp.float16 if jnp.dtype(key_dtype) == jnp.float16 else jnp.bfloat16
