@@ -1,7 +1,7 @@
 """``python -m parity.bench``: command line, run, report.
 
 On a GPU: ``python -m parity.bench --quick`` (the goal rows, under 8 minutes)
-or ``--full``. On a CPU: ``--smoke`` (tiny shapes in the interpreters; checks
+or ``--full``; with both legs, each leg runs in its own process (`isolate`). On a CPU: ``--smoke`` (tiny shapes in the interpreters; checks
 that every op, leg, baseline and report path runs and is correct; its times
 mean nothing). ``--out DIR`` writes bench.json, bench.md and the plots;
 ``--benchmarks-md FILE`` also writes the curated page (BENCHMARKS.md);
@@ -98,6 +98,8 @@ def main(argv=None) -> int:
 
     # Before anything imports triton or jax; timings exclude validate='s host sync.
     on_gpu = environment.configure(validate=False)
+    if on_gpu and len(leg_names) > 1 and not args.smoke:
+        return _legs_apart(args, argv, leg_names)
     if not on_gpu and not args.smoke:
         print("note: no GPU; the kernels run in interpreters (use --smoke for tiny shapes)", file=sys.stderr)
     from .goals import evaluate
@@ -129,6 +131,27 @@ def main(argv=None) -> int:
     bad = [r for r in result.rows if r["status"] in ("WRONG", "error") and r["leg"] in BENCH_LEGS]
     print(f"{len(result.rows)} records, {len(bad)} kernel configurations WRONG or in error", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _legs_apart(args, argv, leg_names) -> int:
+    """GPU runs of several legs: one child process per leg (`isolate`), reports of the merged rows."""
+    import shlex
+    import tempfile
+
+    from .goals import evaluate
+    from .isolate import merge_runs, run_legs_apart
+
+    with tempfile.TemporaryDirectory() as tmp:
+        status, docs = run_legs_apart(argv, leg_names, tmp)
+    if not docs:
+        return status or 2
+    command = "python -m parity.bench " + " ".join(shlex.quote(a) for a in argv)
+    env, roofline, rows, notes = merge_runs(docs, command)
+    _write(args, env, roofline, rows, evaluate(rows), notes)
+    bad = [r for r in rows if r["status"] in ("WRONG", "error") and r["leg"] in BENCH_LEGS]
+    print(f"{len(rows)} records (legs in separate processes), {len(bad)} kernel configurations WRONG or in error",
+          file=sys.stderr)
+    return 1 if bad else status
 
 
 def _write(args, env, roofline, rows, goals, notes) -> None:
