@@ -1,9 +1,10 @@
 """``python -m parity.bench``: command line, run, report.
 
 On a GPU: ``python -m parity.bench --quick`` (the goal rows, under 8 minutes)
-or ``--full``; with both legs, each leg runs in its own process (`isolate`). On a CPU: ``--smoke`` (tiny shapes in the interpreters; checks
-that every op, leg, baseline and report path runs and is correct; its times
-mean nothing). ``--out DIR`` writes bench.json, bench.md and the plots;
+or ``--full``; with both legs, each leg runs in its own process (`isolate`).
+On a CPU: ``--smoke`` (tiny shapes in the interpreters; checks that every op,
+leg, baseline and report path runs and is correct; its times mean nothing).
+``--out DIR`` writes bench.json, bench.md and the plots;
 ``--benchmarks-md FILE`` also writes the curated page (BENCHMARKS.md);
 ``--from-json DIR`` redoes the reports of an earlier run without running.
 """

@@ -14,7 +14,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import tq_spec
@@ -28,9 +27,9 @@ from .decode import decode_partials, merge_partials
 from .extend import extend_attention
 from .inputs import array, index_array, not_differentiable, validate_values
 from .kv_tiles import TileSpec, key_pair_tables
-from .params import _default_tables, resolve
+from .params import resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
-from .store import sign_form
+from .store import host_sign_form
 from .workspace import dequantize_pages, workspace_preset
 
 try:
@@ -64,18 +63,12 @@ def query_rotation(preset, head_dim: int, rotation, rot, query_dtype):
 
     ``rot``: the rotation `_kernel_tables` gives (None for non-mse presets). A 16-bit query
     with a rotation known on the host to be ``Pi = c * S``, ``S = +-1`` (tq_spec's default, or
-    such a numpy array) gets ``S`` in the query's dtype and ``c``: exact products on tensor
-    cores (`_attend`). Anything else gets ``(rot, None)``, the IEEE fp32 einsum.
+    such an array-like; `store.host_sign_form`) gets ``S`` in the query's dtype and ``c``:
+    exact products on tensor cores (`_attend`). Anything else gets ``(rot, None)``, the IEEE fp32 einsum.
     """
     if rot is None or jnp.dtype(query_dtype).itemsize != 2:
         return rot, None
-    if rotation is None:
-        pi = _default_tables(preset.name, head_dim)[2]
-    elif isinstance(rotation, np.ndarray):
-        pi = rotation
-    else:
-        return rot, None
-    form = sign_form(np.ascontiguousarray(pi, dtype=np.float32).tobytes(), head_dim)
+    form = host_sign_form(preset.name, head_dim, rotation)
     if form is None:
         return rot, None
     key = ("signs", preset.name, head_dim, jnp.dtype(query_dtype).name)

@@ -142,7 +142,7 @@ def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codeb
 
 
 @functools.lru_cache(maxsize=64)
-def sign_form(rotation_bytes: bytes, d: int):
+def _sign_form(rotation_bytes: bytes, d: int):
     """(``S^T`` float32 numpy, ``c``) if the float32 rotation is ``c * S`` with ``S = +-1``, else None."""
     rot = np.frombuffer(rotation_bytes, dtype=np.float32).reshape(d, d)
     c = float(abs(rot[0, 0]))
@@ -163,6 +163,18 @@ def _midpoint_form(mid: np.ndarray) -> int:
     return MID_SORTED
 
 
+def host_sign_form(preset_name: str, d: int, rotation):
+    """`_sign_form` of a rotation whose values the host can read, else None.
+
+    ``rotation``: None (tq_spec's default) or array-like; a jax array, whose values a trace
+    cannot see, gives None (the general path). Used by the store and the query rotation.
+    """
+    if isinstance(rotation, jax.Array):
+        return None
+    rot = _default_tables(preset_name, d)[2] if rotation is None else np.asarray(rotation, np.float32)
+    return _sign_form(np.ascontiguousarray(rot, dtype=np.float32).tobytes(), d)
+
+
 def store_operands(lay, kp, rotation, codebook, key_dtype):
     """(rotation operand, static ``rotation_form``, static ``midpoint_mode``) for `store_kv_call`.
 
@@ -176,10 +188,7 @@ def store_operands(lay, kp, rotation, codebook, key_dtype):
     d = lay.head_dim
     qp = tq_spec.quant_params(lay.preset, d, codebook=codebook)
     mid_mode = _midpoint_form(np.asarray(qp.codebook.midpoints, np.float32))
-    if isinstance(rotation, jax.Array):
-        return kp.rotation, (ROT_GENERAL, 1.0), mid_mode
-    rot = _default_tables(lay.preset.name, d)[2] if rotation is None else np.asarray(rotation, np.float32)
-    form = sign_form(np.ascontiguousarray(rot, dtype=np.float32).tobytes(), d)
+    form = host_sign_form(lay.preset.name, d, rotation)
     if form is None:
         return kp.rotation, (ROT_GENERAL, 1.0), mid_mode
     op_dtype = jnp.float16 if jnp.dtype(key_dtype) == jnp.float16 else jnp.bfloat16
