@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tq_spec
-from tq_torch._src.rotation import rotate_query
+from tq_torch._src.rotation import query_rotation, rotate_query
 
 from tq_torch_testlib import device
 
@@ -17,6 +17,10 @@ _PRESET = "turboquant_4bit_nc"
 def _reference(query: torch.Tensor, rotation: np.ndarray) -> np.ndarray:
     """float64 ``q @ Pi^T`` of the query's exact values."""
     return query.detach().cpu().to(torch.float64).numpy() @ rotation.astype(np.float64).T
+
+
+def _rotate(query: torch.Tensor, rotation=None) -> torch.Tensor:
+    return rotate_query(query, query_rotation(_PRESET, query.shape[-1], rotation, query.dtype, query.device))
 
 
 def _query(t, hq, d, dtype, dev, seed):
@@ -34,7 +38,7 @@ def test_default_rotation_is_the_rounded_exact_product(dtype, d):
     # query's dtype (the two roundings the attention kernels applied to the old float64 query).
     dev = device()
     q = _query(5, 3, d, dtype, dev, seed=d)
-    got = rotate_query(q, _PRESET, None)
+    got = _rotate(q)
     assert got.dtype == dtype and got.shape == q.shape
     want = torch.from_numpy(_reference(q, tq_spec.rotation(d)).astype(np.float32)).to(dtype)
     assert torch.equal(got.cpu(), want)
@@ -49,7 +53,7 @@ def test_fp32_query_and_general_rotation_reach_fp32_accuracy():
     rot = np.linalg.qr(rng.standard_normal((d, d)))[0].astype(np.float32)
     q = _query(4, 2, d, torch.float32, dev, seed=11)
     for rotation in (None, torch.from_numpy(rot).to(dev)):
-        got = rotate_query(q, _PRESET, rotation).cpu().to(torch.float64).numpy()
+        got = _rotate(q, rotation).cpu().to(torch.float64).numpy()
         pi = tq_spec.rotation(d) if rotation is None else rot
         want = _reference(q, pi)
         bound = 8 * 2.0**-24 * (np.abs(q.cpu().to(torch.float64).numpy()) @ np.abs(pi.astype(np.float64)).T)
@@ -62,6 +66,6 @@ def test_strided_query_view_and_empty_query():
     d, hq = 64, 4
     fused = _query(3, hq + 2, d, torch.bfloat16, dev, seed=3)
     view = fused[:, :hq]
-    got = rotate_query(view, _PRESET, None)
-    assert torch.equal(got, rotate_query(view.contiguous(), _PRESET, None))
-    assert rotate_query(view[:0], _PRESET, None).shape == (0, hq, d)
+    got = _rotate(view)
+    assert torch.equal(got, _rotate(view.contiguous()))
+    assert _rotate(view[:0]).shape == (0, hq, d)

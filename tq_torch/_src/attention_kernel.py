@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import config
+from .launcher import kernel_site
 from .kv_tiles import LOG2E, attend_key_range, load_query_rows
 from .kernel_math import to_dtype_rne
 
@@ -183,10 +184,11 @@ def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs
                num_blocks: int, page_size: int, num_splits: int, split_kv: bool, has_sinks: bool, fmt: dict,
                block_m: int, block_n: int, d_pad: int, dot_dtype, out_dtype, interpret: bool, num_warps: int,
                num_stages: int, maxnreg, prefetch: bool) -> tuple:
-    """The static part of a `paged_attention_kernel` launch: ``(grid, int args, constexpr kwargs)``.
+    """The static part of a `paged_attention_kernel` launch: ``(grid, int args, kernel sites)``.
 
-    Depends on static shapes and settings only, so callers cache it (host time
-    matters at B=1 decode); `launch_tiles_spec` adds the per-call tensors.
+    The sites (`launcher.KernelSite`) are indexed by ``HAS_SOFTCAP``. Depends on
+    static shapes and settings only, so callers cache it (host time matters at
+    B=1 decode); `launch_tiles_spec` adds the per-call tensors and scalars.
     """
     g = num_q_heads // num_kv_heads
     block_m = max(block_m, 1 << (g - 1).bit_length())
@@ -200,19 +202,21 @@ def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs
         num_stages=num_stages,
         **({} if maxnreg is None else dict(maxnreg=maxnreg)), **config.field_bits_constexprs(fmt),
     )
-    return grid, ints, kwargs
+    sites = tuple(kernel_site(paged_attention_kernel, dict(kwargs, HAS_SOFTCAP=c)) for c in (False, True))
+    return grid, ints, sites
 
 
 def launch_tiles_spec(spec: tuple, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
                       seq_lens, query_start_loc, sinks, sm_scale: float, softcap: float, window: int) -> None:
     """Launches `paged_attention_kernel` with a `tiles_spec` of these tensors' static shapes."""
-    grid, ints, kwargs = spec
+    grid, ints, sites = spec
     qs, os_, cs = q.stride(), out.stride(), kv_cache.stride()
-    paged_attention_kernel[grid](
-        q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
-        query_start_loc, sinks if sinks is not None else q,
-        qs[0], qs[1], os_[0], os_[1], block_table.stride(0), cs[0], cs[1], cs[2],
-        sm_scale, softcap, window, *ints, HAS_SOFTCAP=softcap > 0, **kwargs,
+    sites[softcap > 0](
+        grid,
+        (q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
+         query_start_loc, sinks if sinks is not None else q),
+        (qs[0], qs[1], os_[0], os_[1], block_table.stride(0), cs[0], cs[1], cs[2], sm_scale, softcap, window,
+         *ints),
     )
 
 

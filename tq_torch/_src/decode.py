@@ -25,6 +25,7 @@ import triton.language as tl
 from .kv_tiles import LOG2E
 from .attention_kernel import launch_tiles_spec, tiles_spec
 from .kernel_math import to_dtype_rne
+from .launcher import kernel_site
 
 
 @triton.jit
@@ -77,16 +78,16 @@ def decode_spec(*, num_tokens: int, num_q_heads: int, head_dim: int, num_seqs: i
     rows = t * hq * num_splits
     split = tiles_spec(num_tokens=t, num_q_heads=hq, num_seqs=num_seqs, num_splits=num_splits, split_kv=True,
                        has_sinks=has_sinks, **tiles)
-    merge_kwargs = dict(
+    merge = kernel_site(_decode_merge_kernel, dict(
         SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=d, D_PAD=tiles["d_pad"], HAS_SINKS=has_sinks,
-        OUT_DTYPE=tiles["out_dtype"], INTERPRET=tiles["interpret"], num_warps=4)
-    return split, (t, hq), rows * (d + 2), (rows * d, rows, rows), hq, num_splits, num_seqs, merge_kwargs
+        OUT_DTYPE=tiles["out_dtype"], INTERPRET=tiles["interpret"], num_warps=4))
+    return split, (t, hq), rows * (d + 2), (rows * d, rows, rows), hq, num_splits, num_seqs, merge
 
 
 def launch_decode_spec(spec: tuple, q, out, kv_cache, cache_i16, centroids, block_table, seq_lens,
                        query_start_loc, sinks, sm_scale: float, softcap: float, window: int) -> None:
     """Launches split + merge with a `decode_spec` of these tensors' static shapes."""
-    split, merge_grid, part_numel, part_sizes, hq, num_splits, num_seqs, merge_kwargs = spec
+    split, merge_grid, part_numel, part_sizes, hq, num_splits, num_seqs, merge = spec
     # One allocation for the three partial buffers, split in one call (host
     # time matters at B=1). The kernels index them flat: acc ``[T, Hq, splits,
     # D]``, m and l ``[T, Hq, splits]``.
@@ -95,10 +96,8 @@ def launch_decode_spec(spec: tuple, q, out, kv_cache, cache_i16, centroids, bloc
     launch_tiles_spec(split, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
                       seq_lens, query_start_loc, sinks, sm_scale, softcap, window)
     os_ = out.stride()
-    _decode_merge_kernel[merge_grid](
-        part_acc, part_m, part_l, sinks if sinks is not None else part_m, out, query_start_loc,
-        os_[0], os_[1], hq, num_splits, num_seqs, **merge_kwargs,
-    )
+    merge(merge_grid, (part_acc, part_m, part_l, sinks if sinks is not None else part_m, out, query_start_loc),
+          (os_[0], os_[1], hq, num_splits, num_seqs))
 
 
 def launch_decode(q, out, kv_cache, cache_i16, centroids, block_table, seq_lens, query_start_loc,

@@ -11,12 +11,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import config
 from .attention_kernel import launch_tiles
+from .launcher import kernel_site
 
 
 @triton.jit
-def _zero_padding_rows_kernel(out_ptr, qsl_ptr, stride_ot, stride_oh, num_seqs,
-                              HQ_PAD: tl.constexpr, D_PAD: tl.constexpr, num_q_heads, D: tl.constexpr):
+def _zero_padding_rows_kernel(out_ptr, qsl_ptr, stride_ot, stride_oh, num_seqs, num_q_heads,
+                              HQ_PAD: tl.constexpr, D_PAD: tl.constexpr, D: tl.constexpr):
     """Zeros row ``t`` of ``out`` outside ``[query_start_loc[0], query_start_loc[B])`` (padding;
     no tile owns it)."""
     tok = tl.program_id(0)
@@ -34,6 +36,6 @@ def launch_extend(q, out, kv_cache, cache_i16, centroids, block_table, seq_lens,
     launch_tiles(q, out, q, q, q, kv_cache, cache_i16, centroids, block_table, seq_lens, query_start_loc,
                  sinks, num_splits=1, split_kv=False, block_m=block_m, **common)
     t, hq, d = out.shape
-    _zero_padding_rows_kernel[(t,)](
-        out, query_start_loc, out.stride(0), out.stride(1), block_table.shape[0],
-        HQ_PAD=triton.next_power_of_2(hq), D_PAD=common["d_pad"], num_q_heads=hq, D=d, num_warps=4)
+    site = kernel_site(_zero_padding_rows_kernel,
+                       dict(HQ_PAD=config.next_pow2(hq), D_PAD=common["d_pad"], D=d, num_warps=4))
+    site((t,), (out, query_start_loc), (out.stride(0), out.stride(1), block_table.shape[0], hq))

@@ -49,6 +49,9 @@ def _install_fake_cuda_driver(arch: int) -> None:
             raise AttributeError(f"compile-only driver has no {name!r}")
 
     driver.set_active(_CompileOnlyDriver())
+    from tq_torch._src import launcher
+
+    launcher.DIRECT = False  # nothing is launched: every call goes through JITFunction.run below
     original_run = JITFunction.run
 
     def compile_only_run(self, *args, grid, warmup, **kwargs):

@@ -21,7 +21,7 @@ import tq_spec
 from . import config, params
 from .decode import decode_spec, launch_decode_spec
 from .extend import launch_extend
-from .rotation import rotate_query
+from .rotation import QueryRotation, query_rotation, rotate_query
 from .store import launch_store_kv
 from .workspace import launch_dequant
 
@@ -65,6 +65,7 @@ class _Plan(NamedTuple):
     """What a call of one static signature needs besides its tensors (built once, see `_plan`)."""
 
     centroids: Optional[torch.Tensor]  # default tables (mse presets), on the call's device
+    rotation: Optional[QueryRotation]  # the default query rotation (mse presets)
     decode: Optional[tuple]  # `decode.decode_spec`, decode path only
 
 
@@ -82,9 +83,10 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
     if plan is not None:
         return plan
     t, hq, d = query.shape
-    cents = spec = None
+    cents = rot = spec = None
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = params.default_centroids(preset, d, dev)
+        rot = query_rotation(preset, d, None, query.dtype, dev)
     if path == "decode":
         n, page, hkv, _ = kv_cache.shape
         num_seqs, max_blocks = block_table.shape
@@ -99,7 +101,7 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
             dot_dtype=config.TORCH_TO_TL[query.dtype], out_dtype=config.TORCH_TO_TL[out.dtype],
             interpret=interpret, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
             maxnreg=tiles["maxnreg"], prefetch=tiles["prefetch"])
-    plan = _Plan(cents, spec)
+    plan = _Plan(cents, rot, spec)
     if len(plans) >= _MAX_PLANS:
         plans.clear()
     plans[key] = plan
@@ -131,7 +133,8 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
         cents = centroids if centroids is not None else plan.centroids
         # q_rot = Pi @ q once per call, in the query's dtype (`rotation.rotate_query`); scores are
         # taken in the rotated space.
-        q = rotate_query(query, preset, rotation)
+        q = rotate_query(query, plan.rotation if rotation is None else
+                         query_rotation(preset, d, rotation, query.dtype, query.device))
     else:
         q = query if query.stride(-1) == 1 else query.contiguous()
         cents = seq_lens  # dummy pointer, never dereferenced for these formats

@@ -20,12 +20,15 @@ tq_jax needs no kernel for this: XLA runs its einsum.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from . import config, params
 from .kernel_math import to_dtype_rne
+from .launcher import KernelSite, kernel_site
 from .store import ROT_SIGNS, load_rotation, rotate_general, rotate_signs, rotation_operand
 
 _BLOCK_R = 64
@@ -58,27 +61,44 @@ def _rotate_query_kernel(q_ptr, out_ptr, rot_ptr, n_rows, num_q_heads, stride_qt
                  mask=ok[:, None])
 
 
-def rotate_query(query: torch.Tensor, preset_name: str, rotation: torch.Tensor | None) -> torch.Tensor:
+class QueryRotation(NamedTuple):
+    """The launch facts of one query rotation (`query_rotation`); the default one is cached per plan."""
+
+    site: KernelSite  # `_rotate_query_kernel` with its constexprs
+    operand: torch.Tensor  # S^T (+-1, 16-bit) or Pi's parts (`store.rotation_operand`)
+    scale: float  # c of Pi = c * S (1.0 on the general path)
+    block_r: int  # query rows per program
+
+
+def query_rotation(preset_name: str, head_dim: int, rotation: torch.Tensor | None, query_dtype: torch.dtype,
+                   device: torch.device) -> QueryRotation:
+    """The `QueryRotation` of ``rotation`` (float32 ``[D, D]`` on ``device``; None: the preset's default,
+    recognised without a device sync, so the default takes the exact sign path)."""
+    d = head_dim
+    rot = rotation if rotation is not None else params.default_rotation(preset_name, d, device)
+    rot_op, rot_scale, rot_mode = rotation_operand(preset_name, d, rot, query_dtype)
+    # Three bf16 parts of a [D, ROT_N] slice of a general Pi stay within 96 KiB of shared memory.
+    rot_n = min(d, 128) if rot_mode == ROT_SIGNS else min(d, 16384 // d)
+    interpret = config.interpreted(device)
+    block_r = _INTERPRET_BLOCK_R if interpret else _BLOCK_R
+    site = kernel_site(_rotate_query_kernel, dict(
+        D=d, ROT_N=rot_n, BLOCK_R=block_r, ROT_MODE=rot_mode, IN_DTYPE=config.TORCH_TO_TL[query_dtype],
+        INTERPRET=interpret, num_warps=4))
+    return QueryRotation(site, rot_op, rot_scale, block_r)
+
+
+def rotate_query(query: torch.Tensor, rotation: QueryRotation) -> torch.Tensor:
     """``query [T, Hq, D]`` (float16/bfloat16/float32, any strides) rotated: ``[T, Hq, D]``, same dtype.
 
-    ``rotation``: float32 ``[D, D]`` on the query's device, or None for the preset's default
-    (recognised without a device sync, so the default takes the exact sign path).
+    ``rotation``: `query_rotation` of the query's dtype and device.
     """
     t, hq, d = query.shape
     query = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty((t, hq, d), dtype=query.dtype, device=query.device)
     if t == 0:
         return out
-    rot = rotation if rotation is not None else params.default_rotation(preset_name, d, query.device)
-    rot_op, rot_scale, rot_mode = rotation_operand(preset_name, d, rot, query.dtype)
-    # Three bf16 parts of a [D, ROT_N] slice of a general Pi stay within 96 KiB of shared memory.
-    rot_n = min(d, 128) if rot_mode == ROT_SIGNS else min(d, 16384 // d)
-    interpret = config.interpreted(query.device)
-    block_r = _INTERPRET_BLOCK_R if interpret else _BLOCK_R
     n_rows = t * hq
-    _rotate_query_kernel[(triton.cdiv(n_rows, block_r),)](
-        query, out, rot_op, n_rows, hq, query.stride(0), query.stride(1), rot_scale,
-        D=d, ROT_N=rot_n, BLOCK_R=block_r, ROT_MODE=rot_mode, IN_DTYPE=config.TORCH_TO_TL[query.dtype],
-        INTERPRET=interpret, num_warps=4,
-    )
+    # Plain int division: `triton.cdiv` is a constexpr function in Triton 3.9, microseconds of host time.
+    rotation.site((-(-n_rows // rotation.block_r),), (query, out, rotation.operand),
+                  (n_rows, hq, query.stride(0), query.stride(1), rotation.scale))
     return out

@@ -49,6 +49,7 @@ import tq_spec
 
 from . import config, params
 from .kernel_math import dot_operand, fp8_e4m3fn_encode, to_dtype_rne
+from .launcher import kernel_site
 
 NORM_EPS = tl.constexpr(1e-8)
 VALUE_SCALE_MIN = tl.constexpr(1e-8)
@@ -628,16 +629,16 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     n, p = kv_cache.shape[:2]
     if n * p >= 2**31 or n_rows >= 2**31:
         raise NotImplementedError(f"kv_cache: {n * p} slots / {n_rows} rows; the store addresses fewer than 2**31")
-    n_tiles = triton.cdiv(n_rows, tiles["block_r"])
+    n_tiles = -(-n_rows // tiles["block_r"])
     grid = (min(n_tiles, _max_programs(kv_cache.device, interpret, tiles)),)
-    _store_kv_kernel[grid](
-        key, value, cache_i16, slot_mapping, rot, mid,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0) // 2, kv_cache.stride(1) // 2, kv_cache.stride(2) // 2,
-        n_rows, n * p, n_tiles, rot_scale,
+    site = kernel_site(_store_kv_kernel, dict(
         D_PAD=d_pad, IN_DTYPE=config.TORCH_TO_TL[key.dtype], ROT_MODE=rot_mode, ROT_N=tiles["rot_n"],
         MID_MODE=mid_mode, PREFETCH=tiles["prefetch"], SLOT_ALIGN_W=_slot_align_words(kv_cache),
         HKV=hkv, PAGE_SIZE=p, BLOCK_R=tiles["block_r"], INTERPRET=interpret, num_warps=tiles["num_warps"],
         maxnreg=tiles["maxnreg"], num_stages=tiles["num_stages"],
         **fmt,
-    )
+    ))
+    site(grid, (key, value, cache_i16, slot_mapping, rot, mid),
+         (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+          kv_cache.stride(0) // 2, kv_cache.stride(1) // 2, kv_cache.stride(2) // 2,
+          n_rows, n * p, n_tiles, rot_scale))

@@ -33,6 +33,7 @@ from . import config
 from .extend import launch_extend
 from .kernel_math import to_dtype_rne
 from .kv_tiles import decode_key_tile, decode_value_tile, fetch_kv_tile
+from .launcher import kernel_site
 
 
 @triton.jit
@@ -93,13 +94,12 @@ def dequantize_pages(kv_cache, cache_i16, centroids, block_table, seq_lens, *, f
     d = fmt["D"]
     ws = torch.empty((b * max_blocks, page, hkv, 2 * d), dtype=ws_dtype, device=kv_cache.device)
     ws_table = torch.empty((b, max_blocks), dtype=torch.int32, device=kv_cache.device)
-    _dequantize_pages_kernel[(b * max_blocks, hkv)](
-        kv_cache, cache_i16, centroids, block_table, seq_lens, ws, ws_table,
-        block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        ws.stride(0), ws.stride(1), ws.stride(2), max_blocks, n,
+    site = kernel_site(_dequantize_pages_kernel, dict(
         PAGE_SIZE=page, P_PAD=config.next_pow2(page), D_PAD=d_pad, WS_DTYPE=config.TORCH_TO_TL[ws_dtype],
-        INTERPRET=interpret, num_warps=4, **config.field_bits_constexprs(fmt),
-    )
+        INTERPRET=interpret, num_warps=4, **config.field_bits_constexprs(fmt)))
+    site((b * max_blocks, hkv), (kv_cache, cache_i16, centroids, block_table, seq_lens, ws, ws_table),
+         (block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+          ws.stride(0), ws.stride(1), ws.stride(2), max_blocks, n))
     return ws.view(torch.uint8), ws_table
 
 

@@ -1,0 +1,136 @@
+"""Kernel launches with little host time: a `KernelSite` relaunches the kernels Triton compiled.
+
+A ``JITFunction[grid](...)`` call binds and specialises every argument on
+each call. On the H100 bench host that costs 11 to 16 us for a one-argument
+kernel and 25 to 41 us for a 40-argument one (one eager ``torch.Tensor.add_``
+costs 7 to 11 us there; the spread is between machines of one kind), while
+the three kernels of a B=1 decode run for about 15 us in all. A `KernelSite` keeps the ``CompiledKernel`` that Triton returns from the
+first launch of each specialisation and relaunches it through its launcher
+(``CompiledKernel.run``, which packs the arguments for the driver: what
+``CompiledKernel[grid]`` calls, less the launch metadata that only launch
+hooks read; with hooks set, say by a profiler, it goes through
+``CompiledKernel[grid]``). Measured there in one run: a 40-argument launch
+27 -> 14 us, a B=1 decode call (three launches) 132 -> 107 us; one launch of
+a one-argument kernel still costs 8 to 12 us (the driver).
+
+What Triton specialises a launch on, and so what keys a kept kernel:
+  - the constexprs and launch options: the site's own, fixed when it is made;
+  - each tensor's dtype and whether its address is 16-byte aligned (a call
+    with an unaligned tensor takes Triton's own path, which knows better);
+  - each scalar's value (ints specialise on ``== 1``, ``% 16 == 0`` and
+    their width); every call site passes a fixed Python type per position;
+  - the grid and the current CUDA device (a kernel is loaded per device).
+
+The interpreter (the CPU CI) always takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+
+from . import config
+
+# False: every launch takes Triton's own path (tests compare the two; debugging).
+DIRECT = True
+
+# Kept specialisations per site: a site sees one per (grid, scalars), and an eager
+# prefill brings a new grid per prompt length.
+_MAX_KEPT = 64
+
+
+class KernelSite:
+    """One kernel with fixed constexprs; ``site(grid, tensors, scalars)`` launches it.
+
+    The kernel's parameters must be ``*tensors, *scalars`` followed by the
+    constexprs (every one given in ``constexprs``), which may also hold
+    launch options (``num_warps``, ``num_stages``, ``maxnreg``).
+    """
+
+    __slots__ = ("kernel", "constexprs", "_tail", "_kept")
+
+    def __init__(self, kernel, constexprs: dict):
+        self.kernel = kernel
+        self.constexprs = constexprs
+        self._tail: Optional[tuple] = None  # constexpr values in parameter order, once known
+        self._kept: dict = {}
+
+    def __call__(self, grid: tuple, tensors: tuple, scalars: tuple) -> None:
+        if config.KERNELS_INTERPRETED or not DIRECT:
+            self.kernel[grid](*tensors, *scalars, **self.constexprs)
+            return
+        aligned = True
+        dtypes = []
+        for t in tensors:
+            aligned &= not (t.data_ptr() & 15)
+            dtypes.append(t.dtype)
+        if not aligned:
+            self.kernel[grid](*tensors, *scalars, **self.constexprs)
+            return
+        device = torch.cuda.current_device()
+        key = (grid, scalars, tuple(dtypes), device)
+        kept = self._kept.get(key)
+        if kept is None:
+            self._keep(key, grid, self.kernel[grid](*tensors, *scalars, **self.constexprs), len(tensors) + len(scalars))
+            return
+        compiled, grid3 = kept
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _idle(enter) and _idle(leave):
+            # What `compiled[grid3]` does, minus the launch metadata that only hooks read.
+            compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *tensors, *scalars, *self._tail)
+        else:  # a profiler's hooks: Triton's runner builds their metadata
+            compiled[grid3](*tensors, *scalars, *self._tail)
+
+    def _keep(self, key: tuple, grid: tuple, compiled, n_runtime: int) -> None:
+        if self._tail is None:
+            self._tail = self._constexpr_tail(n_runtime)
+        if self._tail is None or not hasattr(compiled, "packed_metadata"):
+            return
+        if len(self._kept) >= _MAX_KEPT:
+            self._kept.clear()
+        self._kept[key] = (compiled, tuple(grid) + (1,) * (3 - len(grid)))
+
+    def _constexpr_tail(self, n_runtime: int) -> Optional[tuple]:
+        """The constexpr values after the runtime arguments, in parameter order (given, else the default).
+
+        None (Triton's own path every time) where the kernel's parameters cannot be read.
+        """
+        params = getattr(self.kernel, "params", None)
+        if params is None or len(params) < n_runtime:
+            return None
+        tail = []
+        for p in params[n_runtime:]:
+            if p.name in self.constexprs:
+                tail.append(self.constexprs[p.name])
+            elif getattr(p, "has_default", False):
+                tail.append(p.default)
+            else:
+                return None
+        return tuple(tail)
+
+
+def _idle(hook) -> bool:
+    """True for no launch hook: None, or an empty `triton.knobs.HookChain` (Triton 3.6+ default)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def _current_stream(device: int) -> int:
+    return driver.active.get_current_stream(device)
+
+
+@functools.lru_cache(maxsize=512)
+def _site(kernel, constexpr_items: tuple) -> KernelSite:
+    return KernelSite(kernel, dict(constexpr_items))
+
+
+def kernel_site(kernel, constexprs: dict) -> KernelSite:
+    """The process-wide `KernelSite` of ``kernel`` with these constexprs and options (hashable values).
+
+    For launches whose constexprs are built per call; cached specs hold their sites instead.
+    """
+    return _site(kernel, tuple(constexprs.items()))
