@@ -116,3 +116,20 @@ def test_attention_remembered_call_still_checks_what_varies():
         _attend(args=a, out=torch.empty(2, 4, D, device=device()))
     with pytest.raises(ValueError, match="seq_lens"):
         _attend(args=dict(a, seq_lens=torch.tensor([3, 99], dtype=torch.int32, device=device())), validate=True)
+
+
+def test_store_remembered_call_still_checks_what_varies():
+    """A store whose static facts passed before skips those checks (host time); it writes the same
+    bytes, and a cache, slot mapping or device that differs is still checked."""
+    a = _store_args()
+    first = _store(args=dict(a, kv_cache=a["kv_cache"].clone())).clone()
+    again = _store(args=dict(a, kv_cache=a["kv_cache"].clone()))
+    assert torch.equal(again, first)
+    lay = tq_spec.layout(PRESET, D)
+    big = torch.zeros(2, 4, 2, lay.slot_bytes + 1, dtype=torch.uint8, device=device())
+    with pytest.raises(ValueError, match="kv_cache"):
+        _store(args=dict(a, kv_cache=big[..., 1:]))
+    with pytest.raises(TypeError, match="slot_mapping"):
+        _store(args=dict(a, slot_mapping=a["slot_mapping"].float()))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        _store(args=dict(a, slot_mapping=torch.tensor([0, 1, 99], device=device())), validate=True)

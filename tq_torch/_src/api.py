@@ -74,13 +74,25 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     p = tq_spec.get_preset(preset)
     for name, x in (("key", key), ("value", value), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
         _expect_tensor(name, x)
-    lay = validation.check_store_kv(key, value, kv_cache, slot_mapping, preset=p)
+    # As in `_paged_attention`: a signature that passed every static check skips them.
+    signature = None
+    if type(preset) is str and rotation is None and codebook is None and not torch.compiler.is_compiling():
+        signature = (preset, key.shape, key.dtype, value.shape, value.dtype, kv_cache.shape, kv_cache.dtype,
+                     kv_cache.device, kv_cache.stride(), kv_cache.storage_offset() & 1, slot_mapping.shape,
+                     slot_mapping.dtype)
+    lay = _STORE_CHECKED.get(signature)
+    if lay is None:
+        lay = validation.check_store_kv(key, value, kv_cache, slot_mapping, preset=p)
     if validation.validate_enabled(validate):
         validation.check_store_kv_values(key, value, kv_cache, _host(slot_mapping), preset=p)
     dev = kv_cache.device
-    config.check_device(dev)
+    if signature not in _STORE_CHECKED:
+        config.check_device(dev)
     _check_same_device(dev, key=key, value=value, slot_mapping=slot_mapping)
-    _check_cache_storage(kv_cache)
+    if signature not in _STORE_CHECKED:
+        _check_cache_storage(kv_cache)
+        if signature is not None:
+            _remember(_STORE_CHECKED, signature, lay)
     kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
     _call(torch.ops.tq_torch.store_kv, ops.store_kv_impl, key, value, kv_cache, slot_mapping, p.name,
           kp.rotation, kp.midpoints)
@@ -126,6 +138,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 # bring new shapes every call.
 _CHECKED: dict = {}
 _MAX_CHECKED = 1024
+# The same for `store_kv`: signature -> slot layout.
+_STORE_CHECKED: dict = {}
+
+
+def _remember(table: dict, signature: tuple, value) -> None:
+    if len(table) >= _MAX_CHECKED:
+        table.clear()
+    table[signature] = value
 
 
 def _static_signature(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc, scale,
@@ -200,9 +220,7 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
     if signature is not None and signature not in _CHECKED:
         # Every check above passed for this signature, and none of them reads
         # a value that the signature leaves out.
-        if len(_CHECKED) >= _MAX_CHECKED:
-            _CHECKED.clear()
-        _CHECKED[signature] = chosen
+        _remember(_CHECKED, signature, chosen)
     _call(torch.ops.tq_torch.paged_attention, ops.paged_attention_impl,
         query, kv_cache, block_table, seq_lens, query_start_loc, out,
         None if sinks is None else sinks.contiguous(), kp.rotation, kp.centroids, p.name,

@@ -29,14 +29,10 @@ from .workspace import launch_dequant
 def store_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, preset: str, rotation: Optional[torch.Tensor],
                   midpoints: Optional[torch.Tensor]) -> None:
-    """Quantises ``key, value [T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` (in place)."""
-    d = key.shape[-1]
-    p = tq_spec.get_preset(preset)
-    if p.key_format == "mse":
-        if rotation is None:
-            rotation = params.default_rotation(preset, d, kv_cache.device)
-        if midpoints is None:
-            midpoints = params.default_midpoints(preset, d, kv_cache.device)
+    """Quantises ``key, value [T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` (in place).
+
+    ``rotation`` / ``midpoints`` None: the preset's defaults (mse presets).
+    """
     launch_store_kv(key, value, kv_cache, slot_mapping.contiguous(), preset, rotation, midpoints)
 
 

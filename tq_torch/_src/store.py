@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ import tq_spec
 
 from . import config, params
 from .kernel_math import dot_operand, fp8_e4m3fn_encode, to_dtype_rne
-from .launcher import kernel_site
+from .launcher import KernelSite, kernel_site
 
 NORM_EPS = tl.constexpr(1e-8)
 VALUE_SCALE_MIN = tl.constexpr(1e-8)
@@ -59,15 +60,19 @@ _F32_MAX = tl.constexpr(3.4028234663852886e38)
 ROT_SIGNS = 0  # Pi = c * S with S = +-1: S^T in the dot dtype, tensor-core dots, exact products
 ROT_GENERAL = 1  # any Pi: float32 Pi, split into bf16 parts (six dots)
 
-# Tile settings (GPU) at D=128 by key format (see `store_tiles`); NOT yet
-# tuned on a GPU (chosen from the compiled code: registers, no spills).
+# Tile settings (GPU) at D=128 by key format (see `store_tiles`), chosen from
+# the compiled code (registers, no spills), then swept on an H100 (T = 32k,
+# Hkv 8, bf16 input; block_r 32/64/128, warps 4/8/16, programs_per_sm 1/2/4):
+# mse 4-bit 159 us and 3-bit 269 us were best as they are (the next best 168 and
+# 272 us with 8 warps); fp8 went 113 -> 105 us with block_r 32 at 4 programs
+# per SM; raw stays at ~100 us in every setting but block_r 128 (the copy bound).
 # `TUNING_OVERRIDES` replaces any setting, for tuning runs only (keys:
 # "block_r", "num_warps", "programs_per_sm", "maxnreg", "num_stages", "rot_n",
-# "prefetch").
+# "prefetch"; then call `default_store_plan.cache_clear()`).
 _TILES_D128 = {
     "mse": dict(block_r=64, num_warps=16, programs_per_sm=1, prefetch=True),
     "mse_general": dict(block_r=16, num_warps=4, programs_per_sm=2, prefetch=False),
-    "fp8": dict(block_r=32, num_warps=8, programs_per_sm=2, prefetch=False),
+    "fp8": dict(block_r=32, num_warps=8, programs_per_sm=4, prefetch=False),
     "raw": dict(block_r=64, num_warps=8, programs_per_sm=4, prefetch=False),
 }
 _INTERPRET_BLOCK_R = 16
@@ -564,6 +569,8 @@ def store_tiles(d_pad: int, key_format: int, rot_mode: int, in_bytes: int, inter
             tiles.update(num_warps=8, programs_per_sm=1)  # the three key parts of wide heads
     # Same elements per program at other head dims (at least the 16 rows of a dot).
     tiles["block_r"] = max(16, tiles["block_r"] * 128 // d_pad)
+    if kind == "fp8" and (d_pad > 128 or in_bytes > 2):
+        tiles.update(programs_per_sm=2)  # 64 registers spill there (compiled code); 128 do not
     if kind == "mse":
         # Register budget (from the compiled code): wider rotation operands
         # and three key parts for fp32 keys want fewer, fatter threads.
@@ -590,12 +597,62 @@ def _max_programs(device: torch.device, interpret: bool, tiles: dict) -> int:
     return tiles["programs_per_sm"] * config.sm_count(device)
 
 
-def _slot_align_words(kv_cache: torch.Tensor) -> int:
-    """The largest power of two (<= 8) dividing every slot's word offset: the strides' common factor."""
+def _slot_align_words(strides: tuple) -> int:
+    """The largest power of two (<= 8) dividing every slot's word offset: the cache strides' common factor."""
     g = 0
-    for st in kv_cache.stride()[:3]:
+    for st in strides[:3]:
         g = math.gcd(g, st // 2)
     return min(8, g & -g) if g else 1
+
+
+class StorePlan(NamedTuple):
+    """What a store launch needs besides its tensors and T (`store_plan`)."""
+
+    site: KernelSite  # `_store_kv_kernel` with its constexprs
+    rotation: Optional[torch.Tensor]  # the rotation operand (`rotation_operand`); None: not read
+    rotation_scale: float
+    midpoints: Optional[torch.Tensor]  # None: not read
+    block_r: int  # rows (token, head) per tile
+    max_programs: int
+
+
+def store_plan(preset_name: str, key_dtype: torch.dtype, head_dim: int, cache_shape: tuple,
+               cache_strides: tuple, device: torch.device, rotation: Optional[torch.Tensor],
+               midpoints: Optional[torch.Tensor]) -> StorePlan:
+    """The `StorePlan` of a cache and key dtype; ``rotation``/``midpoints`` None: the preset's defaults."""
+    n, p, hkv, _ = cache_shape
+    d = head_dim
+    lay = tq_spec.layout(preset_name, d)
+    fmt = config.format_constexprs(lay)
+    interpret = config.interpreted(device)
+    rot = mid = None
+    rot_scale, rot_mode, mid_mode = 1.0, ROT_SIGNS, MID_ANY
+    if fmt["KEY_FORMAT"] == config.KEY_MSE:
+        rotation = rotation if rotation is not None else params.default_rotation(preset_name, d, device)
+        mid = midpoints if midpoints is not None else params.default_midpoints(preset_name, d, device)
+        rot, rot_scale, rot_mode = rotation_operand(preset_name, d, rotation, key_dtype)
+        mid_mode = midpoint_mode(preset_name, d, mid)
+    d_pad = config.padded_head_dim(d)
+    tiles = store_tiles(d_pad, fmt["KEY_FORMAT"], rot_mode, key_dtype.itemsize, interpret)
+    site = kernel_site(_store_kv_kernel, dict(
+        D_PAD=d_pad, IN_DTYPE=config.TORCH_TO_TL[key_dtype], ROT_MODE=rot_mode, ROT_N=tiles["rot_n"],
+        MID_MODE=mid_mode, PREFETCH=tiles["prefetch"], SLOT_ALIGN_W=_slot_align_words(cache_strides),
+        HKV=hkv, PAGE_SIZE=p, BLOCK_R=tiles["block_r"], INTERPRET=interpret, num_warps=tiles["num_warps"],
+        maxnreg=tiles["maxnreg"], num_stages=tiles["num_stages"],
+        **fmt,
+    ))
+    return StorePlan(site, rot, rot_scale, mid, tiles["block_r"], _max_programs(device, interpret, tiles))
+
+
+@functools.lru_cache(maxsize=256)
+def default_store_plan(preset_name: str, key_dtype: torch.dtype, head_dim: int, cache_shape: tuple,
+                       cache_strides: tuple, device: torch.device) -> StorePlan:
+    """`store_plan` with the preset's default tables, cached per static signature.
+
+    Eager decode steps store a few tokens per call, where this host work is
+    most of the call. Clear it (``cache_clear()``) after changing `TUNING_OVERRIDES`.
+    """
+    return store_plan(preset_name, key_dtype, head_dim, cache_shape, cache_strides, device, None, None)
 
 
 def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -604,41 +661,29 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     """Runs the store kernel (in place on ``kv_cache``); arguments already validated.
 
     ``rotation`` float32 ``[D, D]`` and ``midpoints`` float32 ``[2**bits - 1]``
-    (ascending, as in every `tq_spec.Codebook`) on the cache's device are
-    required for mse presets and ignored otherwise. ``slot_mapping`` must be
+    (ascending, as in every `tq_spec.Codebook`) on the cache's device, or None for the
+    preset's defaults; read by mse presets only. ``slot_mapping`` must be
     contiguous; slots outside ``[0, N * P)`` are skipped.
     """
     t, hkv, d = key.shape
     if t == 0:
         return
-    lay = tq_spec.layout(preset_name, d)
-    fmt = config.format_constexprs(lay)
-    interpret = config.interpreted(kv_cache.device)
+    shape, strides, dev = kv_cache.shape, kv_cache.stride(), kv_cache.device
+    if rotation is None and midpoints is None:
+        plan = default_store_plan(preset_name, key.dtype, d, shape, strides, dev)
+    else:
+        plan = store_plan(preset_name, key.dtype, d, shape, strides, dev, rotation, midpoints)
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    cache_i16 = kv_cache.view(torch.int16)  # 2-byte fields sit at even offsets (checked in api)
-    if fmt["KEY_FORMAT"] == config.KEY_MSE:
-        rot, rot_scale, rot_mode = rotation_operand(preset_name, d, rotation, key.dtype)
-        mid, mid_mode = midpoints, midpoint_mode(preset_name, d, midpoints)
-    else:
-        # Dummies: the kernel never dereferences them for these formats.
-        rot, rot_scale, rot_mode, mid, mid_mode = slot_mapping, 1.0, ROT_SIGNS, slot_mapping, MID_ANY
-    d_pad = config.padded_head_dim(d)
-    tiles = store_tiles(d_pad, fmt["KEY_FORMAT"], rot_mode, key.element_size(), interpret)
     n_rows = t * hkv
-    n, p = kv_cache.shape[:2]
+    n, p = shape[:2]
     if n * p >= 2**31 or n_rows >= 2**31:
         raise NotImplementedError(f"kv_cache: {n * p} slots / {n_rows} rows; the store addresses fewer than 2**31")
-    n_tiles = -(-n_rows // tiles["block_r"])
-    grid = (min(n_tiles, _max_programs(kv_cache.device, interpret, tiles)),)
-    site = kernel_site(_store_kv_kernel, dict(
-        D_PAD=d_pad, IN_DTYPE=config.TORCH_TO_TL[key.dtype], ROT_MODE=rot_mode, ROT_N=tiles["rot_n"],
-        MID_MODE=mid_mode, PREFETCH=tiles["prefetch"], SLOT_ALIGN_W=_slot_align_words(kv_cache),
-        HKV=hkv, PAGE_SIZE=p, BLOCK_R=tiles["block_r"], INTERPRET=interpret, num_warps=tiles["num_warps"],
-        maxnreg=tiles["maxnreg"], num_stages=tiles["num_stages"],
-        **fmt,
-    ))
-    site(grid, (key, value, cache_i16, slot_mapping, rot, mid),
-         (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-          kv_cache.stride(0) // 2, kv_cache.stride(1) // 2, kv_cache.stride(2) // 2,
-          n_rows, n * p, n_tiles, rot_scale))
+    n_tiles = -(-n_rows // plan.block_r)
+    # Dummies for tables a format never reads: any tensor will do.
+    rot = plan.rotation if plan.rotation is not None else slot_mapping
+    mid = plan.midpoints if plan.midpoints is not None else slot_mapping
+    plan.site((min(n_tiles, plan.max_programs),),
+              (key, value, kv_cache.view(torch.int16), slot_mapping, rot, mid),  # 2-byte fields: even offsets
+              (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+               strides[0] // 2, strides[1] // 2, strides[2] // 2, n_rows, n * p, n_tiles, plan.rotation_scale))
