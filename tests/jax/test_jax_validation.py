@@ -77,6 +77,25 @@ def test_paged_attention_rejects_bad_arguments(mutate, kwargs, exc, name):
         tq_jax.paged_attention(*mutate(_attn_args()), preset="turboquant_k8v4", **kwargs)
 
 
+def test_paged_attention_remembered_call_still_checks_what_varies():
+    """An eager call whose static facts passed before skips those checks (host time); it gives the
+    same output, and a call that differs in shape, dtype, a static argument, or asks for value
+    validation is still checked."""
+    args = _attn_args()
+    first = tq_jax.paged_attention(*args, preset="turboquant_k8v4")
+    again = tq_jax.paged_attention(*args, preset="turboquant_k8v4")
+    np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(first, np.float32))
+    with pytest.raises(TypeError, match="block_table"):
+        tq_jax.paged_attention(*args[:2], args[2].astype(jnp.float32), *args[3:], preset="turboquant_k8v4")
+    with pytest.raises(ValueError, match="sliding_window"):
+        tq_jax.paged_attention(*args, preset="turboquant_k8v4", sliding_window=0)
+    with pytest.raises(TypeError, match="sliding_window"):
+        tq_jax.paged_attention(*args, preset="turboquant_k8v4", sliding_window=True)
+    bad_lens = jnp.asarray([3, 99], jnp.int32)
+    with pytest.raises(ValueError, match="seq_lens"):
+        tq_jax.paged_attention(*args[:3], bad_lens, args[4], preset="turboquant_k8v4", validate=True)
+
+
 def test_dequantize_cache_rejects_wrong_slot_size():
     with pytest.raises(ValueError, match="kv_cache"):
         tq_jax.dequantize_cache(jnp.zeros((2, 2, 1, 10), jnp.uint8), preset="fp16", head_dim=64)
