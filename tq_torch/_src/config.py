@@ -157,7 +157,7 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
 
     ``kind`` is `key_kind` of the preset. Head dims above 128 take 8 warps and
     smaller key tiles (registers), except 4-bit mse decode at D <= 256, measured
-    fastest with 64-key tiles; other formats there are not tuned separately.
+    fastest on 4 warps; other formats there are not tuned separately.
     """
     base = dict(extend_block_m=64, maxnreg=None, programs_per_sm=4, prefetch=True)
     if interpret:
@@ -169,7 +169,10 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
         elif kind == "mse4" and d_pad <= 256:
-            tiles["block_n"] = 64  # H100, D = 256 decode: 0.77 ms against 1.02 ms with 32
+            # H100, D = 256 4bit_nc decode, B=32 x 8k, same call: 8 warps x 64-key tiles 0.495 ms
+            # (Hq 16 / Hkv 4) and 0.967 ms (32 / 8); 4 warps x 32 keys 0.431 and 0.844 ms.
+            # (At 8 warps, 64 keys had beaten 32: 0.77 against 1.02 ms.)
+            tiles.update(block_n=32, num_warps=4)
     tiles.update(TUNING_OVERRIDES.get(path, {}))
     return tiles
 
