@@ -94,6 +94,10 @@ def test_paged_attention_remembered_call_still_checks_what_varies():
     bad_lens = jnp.asarray([3, 99], jnp.int32)
     with pytest.raises(ValueError, match="seq_lens"):
         tq_jax.paged_attention(*args[:3], bad_lens, args[4], preset="turboquant_k8v4", validate=True)
+    with pytest.raises(TypeError, match="validate"):
+        tq_jax.paged_attention(*args, preset="turboquant_k8v4", validate="yes")
+    with pytest.raises(TypeError, match="query"):  # the arrays are checked before `validate`
+        tq_jax.paged_attention(args[0].astype(jnp.int32), *args[1:], preset="turboquant_k8v4", validate="yes")
 
 
 def test_dequantize_cache_rejects_wrong_slot_size():

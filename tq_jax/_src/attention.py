@@ -184,7 +184,9 @@ def _static_signature(query, kv_cache, block_table, seq_lens, query_start_loc, s
     and arrays that are not jax arrays (numpy inputs are converted by the checks). Python
     types are part of it (``True == 1`` but ``sliding_window=True`` is a TypeError).
     """
+    # A bad `validate` is reported by the full checks, after the arrays' (the order of errors).
     if (type(preset) is not str or type(path) is not str or rotation is not None or codebook is not None
+            or (validate is not None and type(validate) is not bool)
             or tq_spec.validation.validate_enabled(validate)):
         return None
     arrays = (query, kv_cache, block_table, seq_lens, query_start_loc)

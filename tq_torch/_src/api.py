@@ -80,16 +80,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         signature = (preset, key.shape, key.dtype, value.shape, value.dtype, kv_cache.shape, kv_cache.dtype,
                      kv_cache.device, kv_cache.stride(), kv_cache.storage_offset() & 1, slot_mapping.shape,
                      slot_mapping.dtype)
-    lay = _STORE_CHECKED.get(signature)
-    if lay is None:
+    lay = None if signature is None else _STORE_CHECKED.get(signature)
+    remembered = lay is not None
+    if not remembered:
         lay = validation.check_store_kv(key, value, kv_cache, slot_mapping, preset=p)
     if validation.validate_enabled(validate):
         validation.check_store_kv_values(key, value, kv_cache, _host(slot_mapping), preset=p)
     dev = kv_cache.device
-    if signature not in _STORE_CHECKED:
+    if not remembered:
         config.check_device(dev)
     _check_same_device(dev, key=key, value=value, slot_mapping=slot_mapping)
-    if signature not in _STORE_CHECKED:
+    if not remembered:
         _check_cache_storage(kv_cache)
         if signature is not None:
             _remember(_STORE_CHECKED, signature, lay)

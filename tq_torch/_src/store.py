@@ -65,7 +65,8 @@ ROT_GENERAL = 1  # any Pi: float32 Pi, split into bf16 parts (six dots)
 # Hkv 8, bf16 input; block_r 32/64/128, warps 4/8/16, programs_per_sm 1/2/4):
 # mse 4-bit 159 us and 3-bit 269 us were best as they are (the next best 168 and
 # 272 us with 8 warps); fp8 went 113 -> 105 us with block_r 32 at 4 programs
-# per SM; raw stays at ~100 us in every setting but block_r 128 (the copy bound).
+# per SM; raw stays at ~100 us (the copy bound) in every setting but block_r 128
+# (141 us) and prefetch (212 us).
 # `TUNING_OVERRIDES` replaces any setting, for tuning runs only (keys:
 # "block_r", "num_warps", "programs_per_sm", "maxnreg", "num_stages", "rot_n",
 # "prefetch"; then call `default_store_plan.cache_clear()`).
