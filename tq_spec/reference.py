@@ -107,6 +107,32 @@ def _gather_tokens(cache: np.ndarray, table_row: np.ndarray, start: int, stop: i
     return cache[table_row[j // p].astype(np.int64), j % p]
 
 
+def _heads_matmul(p, values):
+    """``p [r, h, g, n] @ values [n, h, d]`` per kv head -> ``[r, h, g, d]`` (batched BLAS matmuls)."""
+    r, h, g, n = p.shape
+    ph = np.ascontiguousarray(p.transpose(1, 0, 2, 3).reshape(h, r * g, n))
+    return np.matmul(ph, values.transpose(1, 0, 2)).reshape(h, r, g, -1).transpose(1, 0, 2, 3)
+
+
+def _hidden_safe_nonfinite(p, values, visible):
+    """What the NaN/Inf entries of ``values [n, h, d]`` add to ``p @ values``, over visible keys only.
+
+    A plain matmul would give every row ``0 * NaN`` from a key it cannot see (a later
+    token, an out-of-window one) although ``p`` is 0 there; DESIGN.md says masked keys
+    never leak. Per row and lane, IEEE products over the visible keys give NaN where a
+    value is NaN or an Inf meets ``p = 0``, else +Inf / -Inf (both: NaN) where an Inf has
+    ``p > 0``. Counted with 0/1 matmuls (exact), returned as 0 / +-Inf / NaN ``[r, h, g, d]``.
+    """
+    def hits(rows, cols):
+        return _heads_matmul(rows.astype(np.float64), cols.astype(np.float64)) > 0
+
+    p_zero, p_pos = visible & (p == 0), visible & (p != 0)
+    nan_hits = hits(visible, np.isnan(values)) | hits(p_zero, np.isinf(values))
+    extra = np.where(hits(p_pos, values == np.inf), np.inf, 0.0)
+    extra = extra + np.where(hits(p_pos, values == -np.inf), -np.inf, 0.0)
+    return extra + np.where(nan_hits, np.nan, 0.0)
+
+
 def _attend_chunk(q, keys, values, q_pos, k_pos, *, scale, window, cap, sinks, prec: _Precision):
     """Attention of query rows ``q [r, Hkv, G, D]`` over ``keys/values [n, Hkv, D]``.
 
@@ -135,8 +161,12 @@ def _attend_chunk(q, keys, values, q_pos, k_pos, *, scale, window, cap, sinks, p
     denom = p.sum(axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + np.exp(sinks[None, :, :, None].astype(acc) - m_safe)
-    ph = np.ascontiguousarray(prec.round_operand(p).astype(acc).transpose(1, 0, 2, 3).reshape(h, r * g, -1))
-    out = np.matmul(ph, values.astype(acc).transpose(1, 0, 2)).reshape(h, r, g, d).transpose(1, 0, 2, 3)
+    p = prec.round_operand(p).astype(acc)
+    values = values.astype(acc)
+    finite = np.isfinite(values)
+    out = _heads_matmul(p, np.where(finite, values, 0.0))
+    if not finite.all():
+        out = out + _hidden_safe_nonfinite(p, values, np.broadcast_to(visible, p.shape))
     out = out / np.where(any_visible, denom, 1.0)
     return np.where(any_visible, out, 0.0).astype(acc)
 

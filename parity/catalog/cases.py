@@ -47,8 +47,11 @@ DEFAULT_CHECKS = ("store", "attention", "paths", "cross", "e2e", "interchange")
 #                  constant value vectors (the 1e-8 scale clamp)
 #   nan-query      one query row with a NaN element and one with an Inf element (must propagate)
 #   nan-sinks      sinks of NaN, +inf, -inf and 1e4 on the first heads (NaN/+inf propagate; -inf is no sink)
+#   nan-values     NaN, +Inf and -Inf value elements of keys that some rows of the call see and others
+#                  may not (a later token, one just out of the window): they reach exactly the rows that
+#                  see them, never as 0 * NaN
 DATA_MODES = ("normal", "sharp", "very-negative", "key-ties", "fp8-saturate", "value-lanes", "nan-query",
-              "nan-sinks")
+              "nan-sinks", "nan-values")
 # Data modes the end-to-end distortion bounds are calibrated for (parity.checks.distortion).
 E2E_DATA_MODES = ("normal", "sharp", "very-negative")
 # Bytes written into every slot no token owns (unused pages, pages past seq_len,

@@ -60,8 +60,9 @@ GROUP_NOTES = {
     "sinks": "sinks as a class of their own on every path: single-split decode, short sequences, q_len 0 rows, "
              "windows",
     "softcap-small": "soft caps of 1-5: small enough that a cap applied after masking (or not at all) shows",
-    "nan-propagation": "NaN/Inf in a visible query row or sink propagates as IEEE arithmetic does (never zeros or "
-                       "finite garbage); -inf sinks are no sinks",
+    "nan-propagation": "NaN/Inf in a visible query row, sink or value propagates as IEEE arithmetic does (never "
+                       "zeros or finite garbage); -inf sinks are no sinks; a NaN/Inf value reaches only the rows "
+                       "that see its key (not as 0 * NaN from a later token or one out of the window)",
     "padding": "padding rows past query_start_loc[B] (NaN queries that must come back zeros), q_len 0 and "
                "seq_len 0 requests, as CUDA-graph and bucketed batches carry; bitwise determinism",
     "cuda-graph": "the torch decode path captured in a CUDA graph and replayed with changing seq_lens equals "
@@ -449,6 +450,18 @@ def _nan_propagation() -> list[Sweep]:
               {"preset": ALL_PRESETS,
                ("data", "sinks", "seqs"): [("nan-query", False, ((300, 40), (900, 1))),
                                            ("nan-sinks", True, ((300, 40), (900, 1), (1, 1)))]},
+              modes=("full",)),
+        Sweep("nan-propagation", dict(head_dim=64, num_q_heads=4, num_kv_heads=2, block_size=16, data="nan-values",
+                                      checks=ATTENTION_ONLY),
+              {("preset", "sliding_window", "seqs"): [
+                  ("bf16", 6, ((24, 16), (30, 1))),
+                  ("turboquant_4bit_nc", None, ((20, 12), (9, 1)))]},
+              modes=("quick",)),
+        Sweep("nan-propagation", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16, data="nan-values",
+                                      checks=ATTENTION_ONLY),
+              {"preset": ALL_PRESETS,
+               ("sliding_window", "seqs"): [(None, ((300, 40), (900, 1))),
+                                            (16, ((300, 40), (900, 1), (64, 64)))]},
               modes=("full",)),
     ]
 

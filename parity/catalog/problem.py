@@ -343,6 +343,24 @@ def _poison_queries(queries: list) -> None:
         queries[b][i, -1, 0] = np.inf
 
 
+def _poison_values(values: list, seqs, window) -> None:
+    """Non-finite value elements on keys some rows of the call may not see (DESIGN.md: masked keys never leak).
+
+    A sequence with several query rows gets NaN (kv head 0, lane 1) on the token in the middle of
+    its queries, which earlier rows of the same tile must not see, and +Inf / -Inf (last kv head,
+    last two lanes) on the token after it. With a window, each sequence also gets NaN (last kv
+    head, lane 0) on the token just out of its last query's window, which earlier rows see.
+    """
+    for v, (s, q) in zip(values, seqs):
+        first = s - q
+        if q >= 2:
+            v[first + q // 2, 0, 1] = np.nan
+            v[first + q // 2 + 1, -1, -1] = np.inf
+            v[first + q // 2 + 1, -1, -2] = -np.inf
+        if window is not None and q >= 1 and s - window - 1 >= 0:
+            v[s - window - 1, -1, 0] = np.nan
+
+
 def _very_negative(rng, s, q, hq, hkv, d, dtype, scale):
     """Keys anti-aligned with the queries of their head: every logit ~ -VERY_NEGATIVE_LOGIT."""
     amp = np.sqrt(VERY_NEGATIVE_LOGIT / scale)
@@ -405,6 +423,8 @@ def build_problem(case: AttentionCase, seed: int, *, batch: Optional[PagedBatch]
         queries.append(qq)
     if case.data == "nan-query":
         _poison_queries(queries)
+    elif case.data == "nan-values":
+        _poison_values(values, case.seqs, case.sliding_window)
     for b in range(1, len(case.seqs)):  # shared pages hold the first sequence's tokens
         n = batch.shared_positions(b)
         if n:

@@ -143,6 +143,35 @@ def test_very_negative_logits_keep_their_softmax():
     assert np.abs(got).max() > 0.1
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # quantizing the NaN/Inf values
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("preset", ["bf16", "turboquant_4bit_nc"])
+def test_nonfinite_values_reach_only_rows_that_see_them(preset, window):
+    """NaN/Inf values of a later token or an out-of-window one never reach a row as 0 * NaN (DESIGN.md:
+    masked keys never leak), and reach the rows that see them as IEEE arithmetic does."""
+    rng = np.random.default_rng(6)
+    d, page, n = 64, 4, 200  # more rows than the reference's query chunk: chunks and windows both cut
+    lay = tq_spec.layout(preset, d)
+    key = rng.standard_normal((n, 1, d)).astype(np.float32)
+    value = rng.standard_normal((n, 1, d)).astype(np.float32)
+    value[20, 0, 1], value[150, 0, 2], value[151, 0, 3], value[151, 0, 4] = np.nan, np.inf, -np.inf, np.inf
+    table = rng.permutation(n // page)[None].astype(np.int32)
+    slots = table[0, np.arange(n) // page].astype(np.int64) * page + np.arange(n) % page
+    cache = reference.store_kv(key, value, np.zeros((n // page, page, 1, lay.slot_bytes), np.uint8), slots,
+                               preset=preset)
+    sl, qsl = np.array([n], np.int32), np.array([0, n], np.int32)
+    query = rng.standard_normal((n, 2, d)).astype(np.float32)
+    got = reference.paged_attention(query, cache, table, sl, qsl, preset=preset, sliding_window=window)
+    want = dense_attention(query, cache, table, sl, qsl, preset=preset, window=window)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.where(np.isinf(want), want, 0), np.where(np.isinf(got), got, 0))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-9, atol=1e-9)
+    hidden_rows = np.arange(20) if window is None else np.r_[np.arange(20), np.arange(26, 150)]
+    assert np.isfinite(got[hidden_rows]).all()
+    assert np.isnan(got[20:26]).any()
+
+
 def test_query_in_window_of_one_sees_only_itself():
     rng = np.random.default_rng(4)
     query, cache, table, sl, qsl = make_case(rng, preset="fp16", head_dim=32, page=2, seq_lens=[7],

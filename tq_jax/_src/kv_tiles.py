@@ -296,6 +296,40 @@ def _dot(a, b, contract_b: int, compute_dtype):
                            precision=prec, preferred_element_type=jnp.float32)
 
 
+def _hidden_safe_raw_values(v, hidden):
+    """``(v with NaN/Inf entries as 0, whether it had any)``: ``v [BN, Dp]`` float, ``hidden`` True."""
+    finite = jnp.isfinite(v)
+    # (A sum, not jnp.all: Pallas' Triton lowering has no reduce_and.)
+    return jnp.where(finite, v, 0.0), (jnp.sum(jnp.where(finite, 0, 1)) > 0) & hidden
+
+
+def _add_nonfinite_values(acc, prob, v, seen_of, compute_dtype):
+    """``acc [M, Dp]`` plus what the NaN/Inf entries of raw values ``v [BN, Dp]`` give visible keys.
+
+    ``prob [M, BN]`` is 0 where a key is not visible, but a plain dot would still give a row
+    ``0 * NaN`` from a key it cannot see (a later token, an out-of-window one); DESIGN.md says
+    masked keys never leak. The dot ran on the finite values; a loop over the tile's keys adds,
+    per row and lane, what IEEE products over the visible keys give: NaN where a value is NaN or
+    an Inf meets ``prob = 0`` (as a dot operand), else +Inf / -Inf (both: NaN). ``seen_of(j)``:
+    bool ``[M]``, which rows see key ``j``. Only ``acc`` and vectors are live in the loop (a
+    second ``[M, Dp]`` tensor would cost the tile registers).
+    """
+    p_op = prob.astype(compute_dtype)
+    v_op = v.astype(compute_dtype)  # raw values: exact in the compute dtype
+    lane = lax.broadcasted_iota(jnp.int32, (v.shape[0],), 0)
+
+    def body(j, acc):
+        v_j = jnp.sum(jnp.where((lane == j)[:, None], v_op, 0.0), axis=0).astype(jnp.float32)
+        p_j = jnp.sum(jnp.where((lane == j)[None, :], p_op, 0.0), axis=1).astype(jnp.float32)
+        seen = seen_of(j)
+        inf_j = jnp.isinf(v_j)
+        acc = acc + jnp.where((seen & (p_j != 0.0))[:, None] & inf_j[None, :], v_j[None, :], 0.0)
+        nan_j = (seen[:, None] & jnp.isnan(v_j)[None, :]) | ((seen & (p_j == 0.0))[:, None] & inf_j[None, :])
+        return jnp.where(nan_j, jnp.nan, acc)
+
+    return lax.fori_loop(0, v.shape[0], body, acc)
+
+
 def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_hi, *, cache_ref, bt_ref,
                      tab_ref, b, kv_head, scale: float, soft_cap: float | None, window: int | None):
     """Online softmax of query rows over keys ``[max(k_first, k_lo), k_hi)`` of sequence `b`.
@@ -319,6 +353,10 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
     lane = lax.broadcasted_iota(jnp.int32, (bn,), 0)
     k_lo = jnp.asarray(k_lo, jnp.int32)
     n_tiles = km.div_nonneg(jnp.maximum(k_hi - k_lo, 0) + bn - 1, bn)
+    # Valid rows' first and last positions: a tile whose keys all sit in [pos_last - window + 1,
+    # pos_first] is visible to every valid row.
+    pos_first = jnp.min(jnp.where(row_valid, pos, jnp.iinfo(jnp.int32).max))
+    pos_last = jnp.max(jnp.where(row_valid, pos, -1))
 
     def block_ids(start):
         return load_block_ids(spec, bt_ref, b, start, k_hi)
@@ -355,7 +393,20 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         l = l * alpha + jnp.sum(prob, axis=1)
         v, v_scale, v_zero = decode_value_tile(spec, raw)
         if v_scale is None:
-            pv = _dot(prob, v, 0, cdt)  # prob is exactly 0 where a key is not visible
+            # prob is exactly 0 where a key is not visible; raw values of such keys go
+            # through `_hidden_safe_raw_values` (tiles on the diagonal or the window edge).
+            hidden = (start + bn - 1 > pos_first) if window is None else \
+                (start + bn - 1 > pos_first) | (start <= pos_last - window)
+            v_raw = v
+            v, fix = lax.cond(hidden, _hidden_safe_raw_values, lambda x, h: (x, h), v_raw, hidden)
+
+            def seen_of(j):
+                key = start + j
+                ok = row_valid & (jnp.sum(jnp.where(lane == j, valid, False).astype(jnp.int32)) > 0) & (key <= pos)
+                return ok if window is None else ok & (key > pos - window)
+
+            pv = _dot(prob, v, 0, cdt)
+            pv = lax.cond(fix, lambda x: _add_nonfinite_values(x, prob, v_raw, seen_of, cdt), lambda x: x, pv)
         else:
             # P @ (codes * scale + zero) = (P * scale) @ codes + P @ zero; `where`
             # on the visibility, not the product alone: a scale or zero a row

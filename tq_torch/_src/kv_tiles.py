@@ -21,8 +21,9 @@ Conventions (both kernels):
 * Loads of keys outside ``[k_lo, k_hi)`` are masked (pages the sequence does
   not own are never touched); values enter P @ V through ``P * scale`` and
   ``P @ zero`` with P zeroed where a key is not visible, so garbage (NaN/Inf)
-  scales, zeros or raw values of masked keys cannot reach the output as
-  ``0 * NaN``.
+  scales or zeros of masked keys cannot reach the output as ``0 * NaN``; raw
+  values of keys that some rows of a tile may not see go through
+  `masked_raw_value_dot` for the same reason.
 """
 
 from __future__ import annotations
@@ -322,6 +323,47 @@ def _scale_scores(s, k_factor, scale, NORM_ROWS: tl.constexpr):
 
 
 @triton.jit
+def masked_raw_value_dot(p, v, keys, key_valid, pos, row_valid, window, acc, DOT_DTYPE: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """``acc + P @ V`` over a tile whose keys are hidden from some rows, for raw values ``v [BN, D_PAD]``.
+
+    ``p [BLOCK_M, BN]`` is 0 where a key is not visible (``keys``/``key_valid [BN]``,
+    ``pos``/``row_valid [BLOCK_M]`` and ``window`` as in `_key_loop`), but a NaN/Inf raw value of a hidden
+    key would still reach the row as ``0 * NaN`` (a later token's value on the causal
+    diagonal, an out-of-window one at the window edge): DESIGN.md says masked keys never
+    leak. The dot runs on the finite values (a compare and a select per value, in the few
+    masked tiles of a row tile); if the tile had others, a loop over its keys gives each
+    row exactly what IEEE products over
+    its visible keys give: NaN where a visible value is NaN or a visible Inf meets ``p = 0``
+    (as a dot operand), else +Inf / -Inf (both: NaN). The loop touches only ``acc`` and
+    vectors: a second ``[BLOCK_M, D_PAD]`` tensor would spill the extend tiles' registers.
+    """
+    finite = (v == v) & (tl.abs(v) != float("inf"))
+    p_op = dot_operand(p, DOT_DTYPE, INTERPRET)
+    v_op = dot_operand(v, DOT_DTYPE, INTERPRET)  # raw values: exact in the dot dtype
+    # The dot stays out of the branch (a dot under an `if` is not pipelined with the loop).
+    acc = dot(p_op, tl.where(finite, v_op, 0.0), DOT_DTYPE, INTERPRET, acc)
+    if tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
+        lane = tl.arange(0, v.shape[0])
+        for j in range(0, v.shape[0]):
+            # Key j's values [D_PAD] and, per row, its visibility and p (0 + NaN/Inf keeps them).
+            v_j = tl.sum(tl.where((lane == j)[:, None], v_op, 0.0), axis=0).to(tl.float32)
+            p_j = tl.sum(tl.where((lane == j)[None, :], p_op, 0.0), axis=1).to(tl.float32)
+            # Visibility of key j per row from vectors (as `_key_loop` builds the tile's mask):
+            # keeping that [BLOCK_M, BN] mask alive through the loop would spill.
+            key_j = tl.sum(tl.where(lane == j, keys, 0), axis=0)
+            valid_j = tl.sum(tl.where((lane == j) & key_valid, 1, 0), axis=0) > 0
+            seen = row_valid & valid_j & (key_j <= pos)
+            if window > 0:
+                seen = seen & (key_j > pos - window)
+            inf_j = tl.abs(v_j) == float("inf")
+            acc = acc + tl.where((seen & (p_j != 0.0))[:, None] & inf_j[None, :], v_j[None, :], 0.0)
+            nan_j = (seen[:, None] & (v_j != v_j)[None, :]) | ((seen & (p_j == 0.0))[:, None] & inf_j[None, :])
+            acc = tl.where(nan_j, float("nan"), acc)
+    return acc
+
+
+@triton.jit
 def _key_loop(
     q, acc, m_i, l_i, pos, row_valid, start_lo, start_hi, k_first, k_hi,
     ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
@@ -397,8 +439,12 @@ def _key_loop(
             # Raw values: no scale; p is already 0 where a key is not visible.
             v, v_scale, v_zero = decode_value_tile(c_va, c_vb, c_vc, c_vscale, c_vzero, c_valid, VALUE_FORMAT,
                                                    VALUE_FIELD_BITS, RAW_DTYPE)
-            acc = dot(dot_operand(p, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
-                      DOT_DTYPE, INTERPRET, acc * alpha[:, None])
+            if MASKED:
+                acc = masked_raw_value_dot(p, v, keys, c_valid, pos, row_valid, window, acc * alpha[:, None],
+                                           DOT_DTYPE, INTERPRET)
+            else:
+                acc = dot(dot_operand(p, DOT_DTYPE, INTERPRET), dot_operand(v, DOT_DTYPE, INTERPRET),
+                          DOT_DTYPE, INTERPRET, acc * alpha[:, None])
         else:
             # P @ (codes * scale + zero) = (P * scale) @ (codes + bias) + P @ zero - bias * sum(P * scale),
             # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE).
