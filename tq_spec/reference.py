@@ -108,7 +108,9 @@ def _gather_tokens(cache: np.ndarray, table_row: np.ndarray, start: int, stop: i
 
 
 def _heads_matmul(p, values):
-    """``p [r, h, g, n] @ values [n, h, d]`` per kv head -> ``[r, h, g, d]`` (batched BLAS matmuls)."""
+    """``p [r, h, g, n] @ values [n, h, d]`` per kv head -> ``[r, h, g, d]`` (batched BLAS matmuls).
+
+    Also the scores: ``q [r, h, g, d] @ keys.transpose(2, 1, 0) [d, h, n]``."""
     r, h, g, n = p.shape
     ph = np.ascontiguousarray(p.transpose(1, 0, 2, 3).reshape(h, r * g, n))
     return np.matmul(ph, values.transpose(1, 0, 2)).reshape(h, r, g, -1).transpose(1, 0, 2, 3)
@@ -140,11 +142,8 @@ def _attend_chunk(q, keys, values, q_pos, k_pos, *, scale, window, cap, sinks, p
     ``[r, Hkv, G, D]`` in the accumulation dtype.
     """
     acc = prec.accumulate
-    r, h, g, d = q.shape
-    # Batched matmuls over kv heads (BLAS) rather than einsum: [h, r*g, d] @ [h, d, n].
-    qh = np.ascontiguousarray(q.astype(acc).transpose(1, 0, 2, 3).reshape(h, r * g, d))
-    s = np.matmul(qh, keys.astype(acc).transpose(1, 2, 0))
-    s = s.reshape(h, r, g, -1).transpose(1, 0, 2, 3) * acc(scale)
+    # Batched matmuls over kv heads (BLAS) rather than einsum (`_heads_matmul`).
+    s = _heads_matmul(q.astype(acc), keys.astype(acc).transpose(2, 1, 0)) * acc(scale)
     if cap is not None:
         s = acc(cap) * np.tanh(s / acc(cap))
     visible = k_pos[None, :] <= q_pos[:, None]

@@ -349,7 +349,8 @@ def _poison_values(values: list, seqs, window) -> None:
     A sequence with several query rows gets NaN (kv head 0, lane 1) on the token in the middle of
     its queries, which earlier rows of the same tile must not see, and +Inf / -Inf (last kv head,
     last two lanes) on the token after it. With a window, each sequence also gets NaN (last kv
-    head, lane 0) on the token just out of its last query's window, which earlier rows see.
+    head, lane 0) on the token just out of its last query's window (earlier rows of the
+    sequence, if any, see it).
     """
     for v, (s, q) in zip(values, seqs):
         first = s - q

@@ -296,11 +296,14 @@ def _dot(a, b, contract_b: int, compute_dtype):
                            precision=prec, preferred_element_type=jnp.float32)
 
 
-def _hidden_safe_raw_values(v, hidden):
-    """``(v with NaN/Inf entries as 0, whether it had any)``: ``v [BN, Dp]`` float, ``hidden`` True."""
+def _hidden_safe_raw_values(v, _hidden):
+    """``(v with NaN/Inf entries as 0, whether it had any)``: ``v [BN, Dp]`` float.
+
+    The `lax.cond` branch for tiles some rows cannot fully see; the other branch returns
+    ``(v, hidden)`` (False there: a branch must yield traced values, not a constant)."""
     finite = jnp.isfinite(v)
     # (A sum, not jnp.all: Pallas' Triton lowering has no reduce_and.)
-    return jnp.where(finite, v, 0.0), (jnp.sum(jnp.where(finite, 0, 1)) > 0) & hidden
+    return jnp.where(finite, v, 0.0), jnp.sum(jnp.where(finite, 0, 1)) > 0
 
 
 def _add_nonfinite_values(acc, prob, v, seen_of, compute_dtype):

@@ -328,15 +328,15 @@ def masked_raw_value_dot(p, v, keys, key_valid, pos, row_valid, window, acc, DOT
     """``acc + P @ V`` over a tile whose keys are hidden from some rows, for raw values ``v [BN, D_PAD]``.
 
     ``p [BLOCK_M, BN]`` is 0 where a key is not visible (``keys``/``key_valid [BN]``,
-    ``pos``/``row_valid [BLOCK_M]`` and ``window`` as in `_key_loop`), but a NaN/Inf raw value of a hidden
-    key would still reach the row as ``0 * NaN`` (a later token's value on the causal
-    diagonal, an out-of-window one at the window edge): DESIGN.md says masked keys never
-    leak. The dot runs on the finite values (a compare and a select per value, in the few
-    masked tiles of a row tile); if the tile had others, a loop over its keys gives each
-    row exactly what IEEE products over
-    its visible keys give: NaN where a visible value is NaN or a visible Inf meets ``p = 0``
-    (as a dot operand), else +Inf / -Inf (both: NaN). The loop touches only ``acc`` and
-    vectors: a second ``[BLOCK_M, D_PAD]`` tensor would spill the extend tiles' registers.
+    ``pos``/``row_valid [BLOCK_M]`` and ``window`` as in `_key_loop`), but a NaN/Inf raw
+    value of a hidden key would still reach the row as ``0 * NaN`` (a later token's value on
+    the causal diagonal, an out-of-window one at the window edge): DESIGN.md says masked
+    keys never leak. The dot runs on the finite values (a compare and a select per value,
+    in the few masked tiles of a row tile); if the tile had others, a loop over its keys
+    gives each row exactly what IEEE products over its visible keys give: NaN where a
+    visible value is NaN or a visible Inf meets ``p = 0`` (as a dot operand), else +Inf /
+    -Inf (both: NaN). The loop touches only ``acc`` and vectors: a second
+    ``[BLOCK_M, D_PAD]`` tensor would spill the extend tiles' registers.
     """
     finite = (v == v) & (tl.abs(v) != float("inf"))
     p_op = dot_operand(p, DOT_DTYPE, INTERPRET)
