@@ -171,20 +171,29 @@ def test_nonnegative_div_and_rem(c):
     np.testing.assert_array_equal(np.asarray(km.rem_nonneg(jnp.asarray(x), c)), x % c)
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, "bfloat16"), (4, "float32"), (3, "float16")])
-def test_key_pair_tables(bits, dtype):
-    from tq_jax._src.kv_tiles import key_pair_tables
+@pytest.mark.parametrize("bits,dtype", [(4, "bfloat16"), (4, "float32"), (3, "float16"), (3, "float32")])
+def test_key_tables(bits, dtype):
+    from tq_jax._src.kv_tiles import key_tables
 
     cents = np.zeros(16, np.float32)
     cents[: 1 << bits] = np.random.default_rng(bits).standard_normal(1 << bits).astype(np.float32) * 0.1
-    tab = np.asarray(key_pair_tables(jnp.asarray(cents), bits, dtype, True))
-    i = np.arange(1 << (2 * bits))
-    lo, hi = cents[i & ((1 << bits) - 1)], cents[i >> bits]
-    if dtype == "float32":
+    tab = np.asarray(key_tables(jnp.asarray(cents), bits, dtype, True))
+    assert tab.shape == (3, 1 << (2 * bits))
+    if dtype == "float32":  # pair tables
+        i = np.arange(1 << (2 * bits))
+        lo, hi = cents[i & ((1 << bits) - 1)], cents[i >> bits]
         np.testing.assert_array_equal(tab[0].view(np.float32), lo)
         np.testing.assert_array_equal(tab[1].view(np.float32), hi)
-    else:
-        half = np.dtype(DTYPES_16[dtype])
-        np.testing.assert_array_equal((tab[0] & 0xFFFF).astype(np.uint16).view(half), lo.astype(half))
-        np.testing.assert_array_equal((tab[0] >> 16).astype(np.uint16).view(half), hi.astype(half))
-    np.testing.assert_array_equal(tab[2].view(np.float32), lo * lo + hi * hi)
+        np.testing.assert_array_equal(tab[2].view(np.float32), lo * lo + hi * hi)
+        return
+    # Per-code entries: the centroid in the compute dtype, its scaled fp16 square above it.
+    c = cents[: 1 << bits]
+    r = tab[1].view(np.float32)
+    assert np.all(r == r[0]) and np.log2(r[0]) == np.round(np.log2(r[0]))
+    assert 1.0 <= r[0] * np.abs(c).max() < 2.0
+    entry = tab[0, : 1 << bits]
+    half = np.dtype(DTYPES_16[dtype])
+    np.testing.assert_array_equal((entry & 0xFFFF).astype(np.uint16).view(half), c.astype(half))
+    np.testing.assert_array_equal((entry >> 16).astype(np.uint16).view(np.float16),
+                                  np.square(r[0] * c).astype(np.float16))
+    assert not tab[0, 1 << bits:].any() and not tab[2].any()

@@ -120,8 +120,16 @@ def test_attention_kernels_lower_to_triton(triton_modules, cfg, path):
     dots = [line for line in triton_modules[0].splitlines() if "tt.dot" in line]
     # Per key tile: q @ k^T (mse keys: even and odd elements, the split dot) and p @ v. The dequant
     # path's kernel reads a raw 16-bit workspace (the decode to it is plain XLA).
-    split = tq_spec.get_preset(preset).key_format == "mse" and path != "dequant"
-    assert len(dots) == (3 if split else 2), dots
+    p = tq_spec.get_preset(preset)
+    split = p.key_format == "mse" and path != "dequant"
+    # 16-bit queries over norm-corrected mse keys add ||c||**2 as two float16 dots (ones @ squares
+    # of the even and of the odd elements), on tensor cores instead of cross-lane row sums.
+    norm_rows = 2 if split and p.norm_correction and q_dtype != "float32" else 0
+    assert len(dots) == (3 if split else 2) + norm_rows, dots
+    if q_dtype == "bfloat16" and norm_rows:
+        f16 = [line for line in dots if "xf16> * tensor<" in line]
+        assert len(f16) == 2, dots
+        dots = [line for line in dots if line not in f16]
     for line in dots:
         # Operands in the query dtype, float32 accumulation. float32 queries
         # must get IEEE dots: Triton prints a non-default inputPrecision (tf32)
@@ -200,3 +208,13 @@ def test_decode_cache_loads_are_vectorized(triton_modules, preset):
         assert per_thread[-1] >= 2, f"tensor<{rows}x{cols}xi8> loaded {per_thread} per thread ({enc})"
     moved = [line for line in ttgir.splitlines() if "convert_layout" in line and "!tt.ptr<" in line]
     assert not moved, moved[:2]
+    if tq_spec.get_preset(preset).key_format == "mse":
+        # The centroid lookup is a warp shuffle from the lane holding the code's entry: the
+        # entries must stay in the threads that computed them from %laneid. A layout conversion
+        # between the two would move them to other lanes (wrong centroids, no error).
+        lane = re.findall(r'"mov\.u32 \$0, %laneid;".*-> tensor<[^,]*, (#\w+)>', ttgir)
+        shuffles = re.findall(r'"shfl\.sync\.idx[^"]*".* : tensor<[^,]*, (#\w+)>, tensor<[^,]*, (#\w+)> ->', ttgir)
+        assert len(lane) == 1 and len(shuffles) == 2, (lane, shuffles)
+        assert all(a == b == lane[0] for a, b in shuffles), (lane, shuffles)
+        moved_ints = [line for line in ttgir.splitlines() if "convert_layout" in line and "xi32, #" in line]
+        assert not moved_ints, moved_ints[:2]

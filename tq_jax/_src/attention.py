@@ -26,7 +26,7 @@ from .cache_access import CacheWords, needs_word_view, to_word_view
 from .decode import decode_partials, merge_partials
 from .extend import extend_attention
 from .inputs import array, index_array, not_differentiable, validate_values
-from .kv_tiles import TileSpec, key_pair_tables
+from .kv_tiles import TileSpec, key_tables
 from .params import resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
 from .store import host_sign_form
@@ -309,7 +309,7 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
     q = query if rotation is None else rotate_query(query, rotation, rotation_scale)
     tables = None
     if centroids is not None:
-        tables = key_pair_tables(centroids, lay.preset.key_bits, cdt, lay.preset.norm_correction)
+        tables = key_tables(centroids, lay.preset.key_bits, cdt, lay.preset.norm_correction)
     if word_view is None:
         word_view = needs_word_view(kv_cache.shape)
     cache = to_word_view(kv_cache) if word_view else kv_cache
@@ -330,7 +330,7 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
         lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
         max_blocks=int(block_table.shape[1]), block_n=tiles["block_n"], head_dim_padded=d_pad,
         compute_dtype=cdt, prefetch=tiles["prefetch"], ptx_div=not interpret,
-        fp8_convert=config.fp8_hardware_convert(interpret),
+        fp8_convert=config.fp8_hardware_convert(interpret), shuffle_lookup=not interpret,
     )
     common = dict(tiles=spec, num_q_heads=hq, group=group, scale=scale, window=sliding_window,
                   soft_cap=logits_soft_cap, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])

@@ -277,3 +277,35 @@ def next_pow2(n: int) -> int:
 def cdiv(a, b):
     """Ceiling division for Python ints and int32 arrays alike."""
     return (a + b - 1) // b
+
+
+def lane_table_entry(entries, shape):
+    """GPU only. ``int32 shape``, every element holding ``entries[lane % len(entries)]`` for the lane
+    (of the warp) that holds it; ``entries``: a list of int32 scalars, a power of two <= 32 of them.
+
+    Built from the lane id by a select chain on scalars: every element of a thread gets the same
+    value from the same operands, so the compiler keeps one register per thread and hoists it
+    out of loops; no memory is read per element.
+    """
+    [lane] = pltriton.elementwise_inline_asm(
+        "mov.u32 $0, %laneid;", args=[jnp.zeros(shape, jnp.int32)], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32)])
+    lane = lane & (len(entries) - 1)
+    entry = jnp.full(shape, entries[0], jnp.int32)
+    for k in range(1, len(entries)):
+        entry = jnp.where(lane == k, entries[k], entry)
+    return entry
+
+
+def shuffle_lookup(index, entry):
+    """GPU only. int32 ``entry`` of lane ``index & 31`` for each element (`lane_table_entry`).
+
+    One warp shuffle per element, no memory access. All 32 lanes of the warp must run it (no
+    divergence). (One 32-bit result per element: jax 0.10's Pallas lowering drops all but one
+    result of a multi-result inline asm, so tq_torch's shuffle-and-permute pair asm is left to
+    the compiler's byte permutes here.)
+    """
+    [e] = pltriton.elementwise_inline_asm(
+        "shfl.sync.idx.b32 $0, $2, $1, 0x1f, 0xffffffff;", args=[index, entry], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(index.shape, jnp.int32)])
+    return e

@@ -63,6 +63,7 @@ class TileSpec:
     prefetch: bool  # hand-pipelined key loop
     ptx_div: bool  # IEEE division through PTX (GPU lowering); plain `/` in interpret mode
     fp8_convert: bool = True  # fp8 keys by a hardware cast (sm_89+), else the integer decode
+    shuffle_lookup: bool = False  # mse keys by warp shuffles (GPU lowering), else gathers
 
     @property
     def head_dim(self) -> int:
@@ -163,35 +164,55 @@ def _codes(raw_field, bits):
     return km.codes_from_bytes(raw_field[0], bits)
 
 
-def key_pair_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
-    """Lookup tables of the mse key decode, indexed by a pair of codes (plain jnp, outside the kernel).
+def key_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
+    """Lookup tables of the mse key decode (plain jnp, outside the kernel): uint32 ``[3, 4**bits]``.
 
-    Index ``i`` (``2 * bits`` bits) holds the codes ``lo = i & (2**bits - 1)``
-    (even element) and ``hi = i >> bits``: for 4-bit keys a whole byte, for
-    3-bit keys a 6-bit field of the 24-bit group word. uint32 ``[3, 4**bits]``:
+    16-bit compute dtypes, one entry per code ``i < 2**bits`` (the rest 0):
 
-    * row 0: 16-bit compute dtypes: ``bits(c[lo]) | bits(c[hi]) << 16`` in the
-      compute dtype (one gather decodes two elements); float32: ``bits(c[lo])``;
-    * row 1: float32 only: ``bits(c[hi])`` (else 0);
-    * row 2: ``c[lo]**2 + c[hi]**2`` as float32 bits (norm correction; else 0).
+    * row 0: ``bits(c[i])`` in the compute dtype, ORed with the float16 bits of ``(r * c[i])**2``
+      shifted up by 16 (`decode_key_tile` takes both halves from one warp shuffle);
+    * row 1: the float32 bits of ``r``, a power of two with ``r * max|c|`` in ``[1, 2)``, in every
+      entry. ``(r * ||c||)**2`` is summed from the float16 squares by a tensor-core dot: the
+      scaling is exact and keeps any codebook's squares inside float16's range, and rounding a
+      square to float16 moves the norm factor by < 2**-11 relative, far below the rounding of
+      the scores' operands (tq_torch's `key_square_scale` is the same);
+    * row 2: 0.
+
+    float32, indexed by a pair of codes (``2 * bits`` bits: ``lo = i & (2**bits - 1)``, the even
+    element, and ``hi = i >> bits``; for 4-bit keys a whole byte, for 3-bit keys a 6-bit field
+    of the 24-bit group word): row 0 ``bits(c[lo])``, row 1 ``bits(c[hi])``, row 2
+    ``c[lo]**2 + c[hi]**2`` (0 without norm correction).
 
     The rounding of a centroid to the compute dtype is the one the dot would
     apply, so the scores are those of ``q . c[code]`` with rounded operands.
     """
     n = 1 << (2 * bits)
     i = jnp.arange(n, dtype=jnp.int32)
-    lo = centroids[i & ((1 << bits) - 1)].astype(jnp.float32)
-    hi = centroids[i >> bits].astype(jnp.float32)
     zero = jnp.zeros((n,), jnp.uint32)
     if jnp.dtype(compute_dtype).itemsize == 2:
-        def half(x):
-            return lax.bitcast_convert_type(x.astype(compute_dtype), jnp.uint16).astype(jnp.uint32)
+        def half(x, dtype):
+            return lax.bitcast_convert_type(x.astype(dtype), jnp.uint16).astype(jnp.uint32)
 
-        rows = [half(lo) | (half(hi) << 16), zero]
-    else:
-        rows = [lax.bitcast_convert_type(lo, jnp.uint32), lax.bitcast_convert_type(hi, jnp.uint32)]
-    rows.append(lax.bitcast_convert_type(lo * lo + hi * hi, jnp.uint32) if norm_correction else zero)
-    return jnp.stack(rows)
+        c = centroids[: 1 << bits].astype(jnp.float32)
+        exp_bits = lax.bitcast_convert_type(jnp.max(jnp.abs(c)), jnp.uint32) & jnp.uint32(0x7F800000)
+        r_bits = jnp.uint32(0x7F000000) - exp_bits  # 2**-(e - 127)
+        r = lax.bitcast_convert_type(r_bits, jnp.float32)
+        entry = half(c, compute_dtype) | (half(jnp.square(r * c), jnp.float16) << 16)
+        return jnp.stack([jnp.zeros((n,), jnp.uint32).at[: 1 << bits].set(entry),
+                          jnp.full((n,), r_bits, jnp.uint32), zero])
+    lo = centroids[i & ((1 << bits) - 1)].astype(jnp.float32)
+    hi = centroids[i >> bits].astype(jnp.float32)
+    return jnp.stack([lax.bitcast_convert_type(lo, jnp.uint32), lax.bitcast_convert_type(hi, jnp.uint32),
+                      lax.bitcast_convert_type(lo * lo + hi * hi, jnp.uint32) if norm_correction else zero])
+
+
+def lane_entries(spec: TileSpec, tab_ref):
+    """The 16-bit per-code entries of `key_tables` as int32 scalars, read once before the key loop
+    (`decode_key_tile`'s warp-shuffle lookup); None where the lookup is a gather."""
+    p = spec.lay.preset
+    if p.key_format != "mse" or not spec.shuffle_lookup or jnp.dtype(spec.compute_dtype).itemsize != 2:
+        return None
+    return [lax.bitcast_convert_type(tab_ref[0, k], jnp.int32) for k in range(1 << p.key_bits)]
 
 
 def _pair_indices(raw_field, bits):
@@ -231,16 +252,22 @@ def load_query_parts(spec: TileSpec, q_ref, t_idx, h_idx, row_valid):
     return tuple(out)
 
 
-def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref):
+def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=None):
     """Keys in scoring space: ``(parts, factor)``; score = factor * sum_j (q_j . parts_j).
 
     Raw and fp8 keys: one part ``[BN, Dp]`` in the compute dtype, factor None.
     mse keys: the centroids (rounded to the compute dtype) of the even and of
-    the odd elements, ``[BN, Dp/2]`` each, looked up two per gather in
-    `key_pair_tables` (1 KB, L1-resident); the two halves feed two dots (the
+    the odd elements, ``[BN, Dp/2]`` each; the two halves feed two dots (the
     "split dot"), so no float tile is ever interleaved. factor is ``norm /
     ||c||`` (norm correction) or ``norm``. Lanes ``>= head_dim`` meet zero
     query lanes (and are left out of the norm).
+
+    16-bit compute dtypes: each element is one warp shuffle of the lane that holds its code's
+    `key_tables` entry (``entries``, from `lane_entries`; interpret mode gathers the same
+    entries), which brings the centroid and its float16 square. With norm correction the
+    factor is ``[rows, BN]`` (all rows equal): ``||c||**2`` comes from tensor-core dots of a
+    ones tile with the squares, laid out like the ``[rows, BN]`` score tile, so no cross-lane
+    row sum runs. float32: two gathers per pair of elements from the 1 KB pair table, factor ``[BN]``.
     """
     p = spec.lay.preset
     cdt = spec.compute_dtype
@@ -250,42 +277,78 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref):
         if spec.fp8_convert:
             return (km.fp8_bytes_to_float(raw.key[0], cdt),), None
         return (km.fp8_e4m3fn_decode(raw.key[0].astype(jnp.int32)).astype(cdt),), None
-    idx = _pair_indices(raw.key, p.key_bits)
-    if jnp.dtype(cdt).itemsize == 2:
-        pair = lax.bitcast_convert_type(tab_ref[0, idx], jnp.int32)
-        name = jnp.dtype(cdt).name
-        parts = (km.half_words_to_float(pair & 0xFFFF, name, cdt),
-                 km.half_words_to_float(lax.shift_right_logical(pair, 16), name, cdt))
-    else:
-        parts = (lax.bitcast_convert_type(tab_ref[0, idx], jnp.float32),
-                 lax.bitcast_convert_type(tab_ref[1, idx], jnp.float32))
+    bits = p.key_bits
+    idx = _pair_indices(raw.key, bits)
+    half_pairs = spec.head_dim // 2  # pairs past the head hold code 0
     norm = km.half_words_to_float(raw.key_norm, "float16", jnp.float32)
+    if jnp.dtype(cdt).itemsize == 2:
+        name = jnp.dtype(cdt).name
+        even, odd = idx, lax.shift_right_logical(idx, bits)
+        if entries is not None:
+            # A shuffle reads only the lane bits of its index: lanes l and l + 2**bits hold the
+            # same entry, so the higher code bits need no mask.
+            entry = km.lane_table_entry(entries, idx.shape)
+
+            def lookup(codes):
+                return km.shuffle_lookup(codes, entry)
+        else:
+            def lookup(codes):
+                return lax.bitcast_convert_type(tab_ref[0, codes & ((1 << bits) - 1)], jnp.int32)
+
+        def split(e):
+            return (km.half_words_to_float(e & 0xFFFF, name, cdt),
+                    km.half_words_to_float(lax.shift_right_logical(e, 16), "float16", jnp.float16))
+
+        (k_even, sq_even), (k_odd, sq_odd) = split(lookup(even)), split(lookup(odd))
+        if not p.norm_correction:
+            return (k_even, k_odd), norm
+        j = lax.broadcasted_iota(jnp.int32, (rows, idx.shape[1]), 1)
+        ones = jnp.where(j < half_pairs, 1.0, 0.0).astype(jnp.float16)
+        norm_sq = _dot(ones, sq_even, 1, jnp.float16) + _dot(ones, sq_odd, 1, jnp.float16)  # (r ||c||)**2
+        r = lax.bitcast_convert_type(tab_ref[1, 0], jnp.float32)
+        # rsqrt is within 2 ulp: far below the rounding of the keys to the compute dtype.
+        return (k_even, k_odd), norm[None, :] * (lax.rsqrt(jnp.where(norm_sq > 0.0, norm_sq, 1.0)) * r)
+    parts = (lax.bitcast_convert_type(tab_ref[0, idx], jnp.float32),
+             lax.bitcast_convert_type(tab_ref[1, idx], jnp.float32))
     if not p.norm_correction:
         return parts, norm
     sq2 = lax.bitcast_convert_type(tab_ref[2, idx], jnp.float32)
-    if spec.head_dim_padded != spec.head_dim:  # pairs past the head hold code 0
+    if spec.head_dim_padded != spec.head_dim:
         j = lax.broadcasted_iota(jnp.int32, sq2.shape, 1)
-        sq2 = jnp.where(j < spec.head_dim // 2, sq2, 0.0)
+        sq2 = jnp.where(j < half_pairs, sq2, 0.0)
     sq = jnp.sum(sq2, axis=1)
     return parts, km.ieee_div(norm, jnp.sqrt(jnp.where(sq > 0.0, sq, 1.0)), use_ptx=spec.ptx_div)
 
 
-def decode_value_tile(spec: TileSpec, raw: RawTile):
-    """Values as ``(v [BN, Dp] compute dtype, scale [BN], zero [BN])``, value = v * scale + zero.
+# 16-bit float bit patterns ``BITS | c`` that are exactly ``BIAS + c`` for every 7-bit code ``c``.
+_BIASED_CODE_BITS = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
 
-    Uniform codes come back as the integer codes (exact in any dot dtype) and
+
+def decode_value_tile(spec: TileSpec, raw: RawTile):
+    """Values as ``(v [BN, Dp] compute dtype, scale [BN], zero [BN], bias)``, value = (v - bias) * scale + zero.
+
+    Uniform codes come back as the integer codes plus ``bias`` (exact in any dot dtype) and
     the fp16 scale/zero as float32, so the caller folds the scale into P and
-    the zero into one row sum. Raw values come back as they are, scale and
-    zero None. Masked keys read 0 everywhere.
+    the zero into one row sum, and takes ``bias * sum(P * scale)`` back out. With a 16-bit
+    compute dtype the biased code is its bit pattern ``BITS | c`` (one OR per element, where
+    an int -> float conversion issues at a quarter of the integer rate); float32 takes the
+    codes themselves (bias 0). Raw values come back as they are, scale and zero None, bias 0.
+    Masked keys read 0 everywhere.
     """
     p = spec.lay.preset
     cdt = spec.compute_dtype
     if p.value_format == "raw":
-        return km.half_words_to_float(km.bytes_to_words(raw.value[0]), p.raw_dtype, cdt), None, None
-    v = _codes(raw.value, p.value_bits).astype(cdt)
+        return km.half_words_to_float(km.bytes_to_words(raw.value[0]), p.raw_dtype, cdt), None, None, 0.0
+    codes = _codes(raw.value, p.value_bits)
+    name = jnp.dtype(cdt).name
+    if name in _BIASED_CODE_BITS:
+        bits, bias = _BIASED_CODE_BITS[name]
+        v = km.half_words_to_float(codes | bits, name, cdt)
+    else:
+        v, bias = codes.astype(cdt), 0.0
     scale = km.half_words_to_float(raw.value_scale, "float16", jnp.float32)
     zero = km.half_words_to_float(raw.value_zero, "float16", jnp.float32)
-    return v, scale, zero
+    return v, scale, zero, bias
 
 
 def _dot(a, b, contract_b: int, compute_dtype):
@@ -361,6 +424,8 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
     pos_first = jnp.min(jnp.where(row_valid, pos, jnp.iinfo(jnp.int32).max))
     pos_last = jnp.max(jnp.where(row_valid, pos, -1))
 
+    entries = lane_entries(spec, tab_ref)
+
     def block_ids(start):
         return load_block_ids(spec, bt_ref, b, start, k_hi)
 
@@ -375,11 +440,14 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
     def compute(start, blk, raw, m, l, acc):
         keys = start + lane
         valid = blk >= 0  # in [max(k_first, k_lo), k_hi) with a block id inside the cache
-        ks, factor = decode_key_tile(spec, raw, tab_ref)
+        ks, factor = decode_key_tile(spec, raw, tab_ref, q[0].shape[0], entries)
         s = _dot(q[0], ks[0], 1, cdt)
         for qj, kj in zip(q[1:], ks[1:]):
             s = s + _dot(qj, kj, 1, cdt)
-        s = s * (scale if factor is None else (factor * scale)[None, :])
+        if factor is None:
+            s = s * scale
+        else:
+            s = s * (factor * scale if factor.ndim == 2 else (factor * scale)[None, :])
         if soft_cap is not None:
             # On the scaled logits, before masking (DESIGN.md section 3).
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -394,7 +462,7 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         alpha = jnp.exp(m - m_safe)
         prob = jnp.exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(prob, axis=1)
-        v, v_scale, v_zero = decode_value_tile(spec, raw)
+        v, v_scale, v_zero, bias = decode_value_tile(spec, raw)
         if v_scale is None:
             # prob is exactly 0 where a key is not visible; raw values of such keys go
             # through `_hidden_safe_raw_values` (tiles on the diagonal or the window edge).
@@ -411,11 +479,15 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
             pv = _dot(prob, v, 0, cdt)
             pv = lax.cond(fix, lambda x: _add_nonfinite_values(x, prob, v_raw, seen_of, cdt), lambda x: x, pv)
         else:
-            # P @ (codes * scale + zero) = (P * scale) @ codes + P @ zero; `where`
-            # on the visibility, not the product alone: a scale or zero a row
-            # may not see (NaN/Inf) must not reach it as 0 * NaN.
-            pv = _dot(jnp.where(visible, prob * v_scale[None, :], 0.0), v, 0, cdt)
-            pv = pv + jnp.sum(jnp.where(visible, prob * v_zero[None, :], 0.0), axis=1)[:, None]
+            # P @ (codes * scale + zero) = (P * scale) @ (codes + bias) + P @ zero - bias * sum(P * scale),
+            # the last two in one row sum (over the rounded operands the dot saw); `where` on the
+            # visibility, not the product alone: a scale or zero a row may not see (NaN/Inf)
+            # must not reach it as 0 * NaN.
+            p_scaled = jnp.where(visible, prob * v_scale[None, :], 0.0).astype(cdt)
+            row_terms = jnp.where(visible, prob * v_zero[None, :], 0.0)
+            if bias:
+                row_terms = row_terms - bias * p_scaled.astype(jnp.float32)
+            pv = _dot(p_scaled, v, 0, cdt) + jnp.sum(row_terms, axis=1)[:, None]
         return m_new, l, acc * alpha[:, None] + pv
 
     m, l, acc = state
