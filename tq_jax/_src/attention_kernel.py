@@ -199,7 +199,7 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
         m, l, acc = attend_key_range(
             spec, q, state, pos, row_valid, k_first, k_lo, k_hi, cache_ref=cache_ref,
             bt_ref=bt_ref, tab_ref=tab_ref, b=b, kv_head=kv_head, scale=cfg.scale, soft_cap=cfg.soft_cap,
-            window=cfg.window)
+            window=cfg.window, unmasked_tiles=not cfg.split_kv)
         if cfg.split_kv:
             acc_ref, m_ref, l_ref = rest
             pltriton.store(acc_ref.at[t_idx, h_idx, split, lane], acc, mask=rmask)

@@ -35,6 +35,7 @@ Conventions:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -397,7 +398,8 @@ def _add_nonfinite_values(acc, prob, v, seen_of, compute_dtype):
 
 
 def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_hi, *, cache_ref, bt_ref,
-                     tab_ref, b, kv_head, scale: float, soft_cap: float | None, window: int | None):
+                     tab_ref, b, kv_head, scale: float, soft_cap: float | None, window: int | None,
+                     unmasked_tiles: bool = True):
     """Online softmax of query rows over keys ``[max(k_first, k_lo), k_hi)`` of sequence `b`.
 
     ``k_lo`` is a multiple of ``block_n`` (tiles then sit on whole pages, see `load_block_ids`).
@@ -406,6 +408,13 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
     first tile can hold such keys: the hand-pipelined loop checks tile 0's block ids once, the
     plain loop each tile's (one compare and select per key); without a window ``k_first`` is 0
     and nothing is checked.
+
+    ``unmasked_tiles``: three loops over the tiles, as tq_torch's: those at the window edge and
+    those on the diagonal check each score's visibility; the tiles between, whose keys every
+    valid row sees, skip the causal and window checks and the hidden-value handling (a key of
+    a masked page was loaded as zeros; its score gets -inf added). Padding rows take part
+    there with zero queries; their results are never stored. False: one loop, every tile
+    checked (split-KV decode: measured faster there, see `attention_kernel`).
 
     ``q``: `load_query_parts` (a tuple of compute-dtype ``[M, Dp / parts]``).
 
@@ -437,7 +446,7 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
     def fetch(blk, start):
         return fetch_kv_tile(spec, cache_ref, blk, start, kv_head, blk >= 0)
 
-    def compute(start, blk, raw, m, l, acc):
+    def compute(start, blk, raw, m, l, acc, masked: bool):
         keys = start + lane
         valid = blk >= 0  # in [max(k_first, k_lo), k_hi) with a block id inside the cache
         ks, factor = decode_key_tile(spec, raw, tab_ref, q[0].shape[0], entries)
@@ -451,10 +460,13 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         if soft_cap is not None:
             # On the scaled logits, before masking (DESIGN.md section 3).
             s = soft_cap * jnp.tanh(s / soft_cap)
-        visible = valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
-        if window is not None:
-            visible = visible & (keys[None, :] > pos[:, None] - window)
-        s = jnp.where(visible, s, -jnp.inf)
+        if masked:
+            visible = valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
+            if window is not None:
+                visible = visible & (keys[None, :] > pos[:, None] - window)
+            s = jnp.where(visible, s, -jnp.inf)
+        else:
+            s = s + jnp.where(valid, 0.0, -jnp.inf)[None, :]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row that has seen no visible key keeps m = -inf; shift by 0 instead
         # so exp() sees -inf - 0 (-> 0), never -inf - -inf (NaN).
@@ -463,7 +475,9 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         prob = jnp.exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(prob, axis=1)
         v, v_scale, v_zero, bias = decode_value_tile(spec, raw)
-        if v_scale is None:
+        if v_scale is None and not masked:
+            pv = _dot(prob, v, 0, cdt)
+        elif v_scale is None:
             # prob is exactly 0 where a key is not visible; raw values of such keys go
             # through `_hidden_safe_raw_values` (tiles on the diagonal or the window edge).
             hidden = (start + bn - 1 > pos_first) if window is None else \
@@ -483,36 +497,53 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
             # the last two in one row sum (over the rounded operands the dot saw); `where` on the
             # visibility, not the product alone: a scale or zero a row may not see (NaN/Inf)
             # must not reach it as 0 * NaN.
-            p_scaled = jnp.where(visible, prob * v_scale[None, :], 0.0).astype(cdt)
-            row_terms = jnp.where(visible, prob * v_zero[None, :], 0.0)
+            p_scaled = prob * v_scale[None, :]
+            row_terms = prob * v_zero[None, :]
+            if masked:
+                p_scaled = jnp.where(visible, p_scaled, 0.0)
+                row_terms = jnp.where(visible, row_terms, 0.0)
+            p_scaled = p_scaled.astype(cdt)
             if bias:
                 row_terms = row_terms - bias * p_scaled.astype(jnp.float32)
             pv = _dot(p_scaled, v, 0, cdt) + jnp.sum(row_terms, axis=1)[:, None]
         return m_new, l, acc * alpha[:, None] + pv
 
+    # Tiles k_lo + i * bn for i in [i_mid, i_diag) hold only keys every valid row sees.
+    all_lo = k_first if window is None else jnp.maximum(k_first, pos_last - window + 1)
+    all_hi = jnp.minimum(pos_first, k_hi - 1) + 1
+    i_mid = jnp.minimum(km.div_nonneg(jnp.maximum(all_lo - k_lo, 0) + bn - 1, bn), n_tiles)
+    i_diag = jnp.minimum(i_mid + km.div_nonneg(jnp.maximum(all_hi - (k_lo + i_mid * bn), 0), bn), n_tiles)
+    loops = ((0, i_mid, True), (i_mid, i_diag, False), (i_diag, n_tiles, True)) if unmasked_tiles else \
+        ((0, n_tiles, True),)
+
     m, l, acc = state
     if not spec.prefetch:
-        def body(i, carry):
+        def body(i, carry, masked):
             m, l, acc = carry
             start = k_lo + i * bn
             blk = window_block_ids(start)
-            return compute(start, blk, fetch(blk, start), m, l, acc)
+            return compute(start, blk, fetch(blk, start), m, l, acc, masked)
 
-        return lax.fori_loop(0, n_tiles, body, (m, l, acc))
+        carry = (m, l, acc)
+        for lo, hi, masked in loops:
+            carry = lax.fori_loop(lo, hi, functools.partial(body, masked=masked), carry)
+        return carry
 
-    def body_prefetch(i, carry):
+    def body_prefetch(i, carry, masked):
         m, l, acc, raw, blk, blk_next = carry
         start = k_lo + i * bn
         # Tile i+1's bytes (its block ids arrived during tile i-1) and tile
         # i+2's block ids are in flight while tile i is computed.
         raw_next = fetch(blk_next, start + bn)
         blk_after = block_ids(start + 2 * bn)
-        m, l, acc = compute(start, blk, raw, m, l, acc)
+        m, l, acc = compute(start, blk, raw, m, l, acc, masked)
         return m, l, acc, raw_next, blk_next, blk_after
 
     # Prologue: tile 0's bytes, tile 1's block ids (all masked when the range is empty).
     # Only tile 0 can hold keys before k_first.
     blk0 = window_block_ids(k_lo)
-    init = (m, l, acc, fetch(blk0, k_lo), blk0, block_ids(k_lo + bn))
-    m, l, acc, *_ = lax.fori_loop(0, n_tiles, body_prefetch, init)
+    carry = (m, l, acc, fetch(blk0, k_lo), blk0, block_ids(k_lo + bn))
+    for lo, hi, masked in loops:
+        carry = lax.fori_loop(lo, hi, functools.partial(body_prefetch, masked=masked), carry)
+    m, l, acc, *_ = carry
     return m, l, acc
