@@ -196,6 +196,8 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
         q = load_query_parts(spec, q_ref, t_idx, h_idx, row_valid)
         state = (jnp.full((cfg.block_m,), -jnp.inf, jnp.float32), jnp.zeros((cfg.block_m,), jnp.float32),
                  jnp.zeros((cfg.block_m, dp), jnp.float32))
+        # Split-KV decode keeps one checked key loop: with the extend kernel's three loops
+        # it measured 10-20 % slower on an H100 (docs/bench/steps.md, session 15).
         m, l, acc = attend_key_range(
             spec, q, state, pos, row_valid, k_first, k_lo, k_hi, cache_ref=cache_ref,
             bt_ref=bt_ref, tab_ref=tab_ref, b=b, kv_head=kv_head, scale=cfg.scale, soft_cap=cfg.soft_cap,

@@ -27,7 +27,8 @@ Conventions:
   may not see become -inf with `jnp.where` (not a multiply), values enter
   ``P @ V`` as ``(P * scale) @ codes + P @ zero`` with ``P`` zeroed by
   `jnp.where` on the visibility, so NaN/Inf garbage cannot reach a row that
-  does not see it.
+  does not see it. Extend tiles whose keys every valid row sees skip these
+  checks (`attend_key_range`).
 * Keys are scored in the rotated basis for mse presets: ``s = scale *
   factor * (q_rot . c[code])`` with ``factor = norm / ||c||`` (norm
   correction) or ``norm``, one multiply per key after the dot.
@@ -175,7 +176,7 @@ def key_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
     * row 1: the float32 bits of ``r``, a power of two with ``r * max|c|`` in ``[1, 2)``, in every
       entry. ``(r * ||c||)**2`` is summed from the float16 squares by a tensor-core dot: the
       scaling is exact and keeps any codebook's squares inside float16's range, and rounding a
-      square to float16 moves the norm factor by < 2**-11 relative, far below the rounding of
+      square to float16 moves the norm factor by < 2**-12 relative, far below the rounding of
       the scores' operands (tq_torch's `key_square_scale` is the same);
     * row 2: 0.
 
