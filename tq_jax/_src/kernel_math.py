@@ -301,9 +301,9 @@ def shuffle_lookup(index, entry):
     """GPU only. int32 ``entry`` of lane ``index & 31`` for each element (`lane_table_entry`).
 
     One warp shuffle per element, no memory access. All 32 lanes of the warp must run it (no
-    divergence). (One 32-bit result per element: jax 0.10's Pallas lowering drops all but one
-    result of a multi-result inline asm, so tq_torch's shuffle-and-permute pair asm is left to
-    the compiler's byte permutes here.)
+    divergence). (One 32-bit result per element: jax 0.10's Pallas lowering rejects a
+    multi-result inline asm ("2 outvars do not match 1 outvals"), so tq_torch's
+    shuffle-and-permute pair asm is left to the compiler's byte permutes here.)
     """
     [e] = pltriton.elementwise_inline_asm(
         "shfl.sync.idx.b32 $0, $2, $1, 0x1f, 0xffffffff;", args=[index, entry], constraints="=r,r,r", pack=1,

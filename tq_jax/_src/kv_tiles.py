@@ -200,7 +200,7 @@ def key_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
         r_bits = jnp.uint32(0x7F000000) - exp_bits  # 2**-(e - 127)
         r = lax.bitcast_convert_type(r_bits, jnp.float32)
         entry = half(c, compute_dtype) | (half(jnp.square(r * c), jnp.float16) << 16)
-        return jnp.stack([jnp.zeros((n,), jnp.uint32).at[: 1 << bits].set(entry),
+        return jnp.stack([zero.at[: 1 << bits].set(entry),
                           jnp.full((n,), r_bits, jnp.uint32), zero])
     lo = centroids[i & ((1 << bits) - 1)].astype(jnp.float32)
     hi = centroids[i >> bits].astype(jnp.float32)
