@@ -29,6 +29,7 @@ from typing import Callable, Optional
 LOOP_TARGET_S = 0.03  # wall time of one repeat of the loop measure
 LOOP_REPEATS = 7
 MAX_LOOP_CALLS = 200
+CALIBRATION_CALLS = 5  # calls of the warm loop that sizes the loop measure
 
 
 @dataclass
@@ -76,9 +77,15 @@ def loop_time(call: Callable[[], object], sync: Callable[[], None], *, smoke: bo
     if smoke:  # interpreters: one call shows the path runs; its time means nothing
         n, repeats = 1, 1
     else:
-        t0 = time.perf_counter()
+        # The call count comes from a short warm loop, not from one call: a first call can
+        # take many times longer (lazy initialisation, a device still busy with the
+        # correctness check), which left 2-4 calls per repeat and a noisy median.
         sync(call())
-        one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(CALIBRATION_CALLS):
+            last = call()
+        sync(last)
+        one = (time.perf_counter() - t0) / CALIBRATION_CALLS
         n, repeats = max(1, min(MAX_LOOP_CALLS, int(LOOP_TARGET_S / max(one, 1e-6)))), LOOP_REPEATS
     per_call, issue = [], []
     for _ in range(repeats):

@@ -121,14 +121,14 @@ def _in_kernel_2d(fn, x, out_shape, out_dtype):
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_code_unpacking_from_bytes_matches_spec(bits):
-    """The attention kernels' unpack (byte joins for 4 bits, byte planes for 3) in element order."""
+    """The attention kernels' unpack (shifts of 16-bit words for 4 bits, byte planes for 3) in element order."""
     rng = np.random.default_rng(bits)
     n, d = 16, 64
     codes = rng.integers(0, 1 << bits, (n, d)).astype(np.uint8)
     packed = tq_spec.pack_bits(codes, bits).astype(np.int32)  # [n, d * bits / 8]
     if bits == 4:
-        fn = lambda b: km.codes_from_bytes(b, 4)  # noqa: E731
-        x = packed
+        fn = lambda w: km.codes_from_words(w, 4)  # noqa: E731
+        x = packed[:, 0::2] | (packed[:, 1::2] << 8)
     else:
         x = packed.reshape(n, d // 8, 3).transpose(0, 2, 1).reshape(n, 3 * d // 8)  # the 3 planes side by side
         g = d // 8
@@ -141,6 +141,24 @@ def test_code_unpacking_from_bytes_matches_spec(bits):
     np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x))), codes)
     if bits == 4:  # the join + reshape also inside a kernel (Triton on a GPU)
         np.testing.assert_array_equal(_in_kernel_2d(fn, x, (n, d), jnp.int32), codes)
+
+
+def test_word_fields_give_the_codes_and_code_pairs():
+    """`nibbles_from_words` leaves the higher bits in place (a shuffle reads only the low 5; the
+    decode's lane table repeats every 16 lanes): masked to 4 bits they are the codes, and the
+    8-bit split is the byte pairs (the float32 pair-table index)."""
+    rng = np.random.default_rng(7)
+    n, d = 16, 128
+    codes = rng.integers(0, 16, (n, d)).astype(np.uint8)
+    packed = tq_spec.pack_bits(codes, 4).astype(np.int32)
+    w = packed[:, 0::2] | (packed[:, 1::2] << 8)
+    f0, f1, f2, f3 = (np.asarray(f) for f in km.nibbles_from_words(jnp.asarray(w)))
+    np.testing.assert_array_equal(np.asarray(km.interleave(f0, f2)) & 15, codes[:, 0::2])
+    np.testing.assert_array_equal(np.asarray(km.interleave(f1, f3)) & 15, codes[:, 1::2])
+    np.testing.assert_array_equal(f0, w)  # nothing masked: the shuffle index is the word itself
+    np.testing.assert_array_equal(np.asarray(km.codes_from_words(jnp.asarray(w), 8)), packed)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        km.codes_from_words(jnp.asarray(w), 3)
 
 
 def test_bytes_to_words_and_interleave():

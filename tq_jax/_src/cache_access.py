@@ -6,8 +6,9 @@ at the supported head dims are multiples of 2 bytes; fp16 fields are words).
 The store writes words (`CacheWords.store`). The attention kernels read a
 field as one contiguous byte tile per key (`CacheWords.load_bytes`): lanes
 along the slot, so Triton vectorises the loads to the alignment the slot
-stride allows and a warp reads contiguous memory; codes are split out in
-registers (`kernel_math.codes_from_bytes`).
+stride allows and a warp reads contiguous memory; 4-bit codes are paired into
+16-bit words (`CacheWords.load_words`) and split out in registers by shifts
+(`kernel_math.codes_from_words`).
 
 Why two views: the Pallas Triton lowering addresses an array with 32-bit
 element offsets whenever the array holds at most 2**32 bytes, and Triton's
@@ -128,6 +129,19 @@ class CacheWords:
             m = m & (w < count // 2)
         words = pltriton.load(ref.at[blk2, off2, head, byte0 // 2 + w], mask=m, other=0).astype(jnp.int32)
         return km.interleave(words & 0xFF, lax.shift_right_logical(words, 8)).astype(jnp.uint8)
+
+    def load_words(self, ref, blk, off, head, byte0: int, width: int, count: int, mask):
+        """int32 ``[BN, width]`` (0..65535): words ``j`` of the field at byte ``byte0`` of each slot.
+
+        `load_bytes` of ``2 * width`` bytes, paired in registers (each thread holds whole
+        words, so the pairing moves no data); words ``j >= count`` and masked keys come back 0.
+        """
+        if self.word_view:
+            w = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+            m = mask[:, None] & (w < count) if count < width else mask[:, None]
+            return pltriton.load(ref.at[blk[:, None], off[:, None], head, byte0 // 2 + w], mask=m,
+                                 other=0).astype(jnp.int32)
+        return km.bytes_to_words(self.load_bytes(ref, blk, off, head, byte0, 2 * width, 2 * count, mask))
 
     def load_byte_planes(self, ref, blk, off, head, byte0: int, groups: int, count: int, mask):
         """Three uint8 ``[BN, groups]`` planes: bytes ``byte0 + 3g + i`` (i = 0, 1, 2) of each slot.

@@ -189,18 +189,20 @@ def bytes_to_words(x):
     return lo | (hi << 8)
 
 
-def codes_from_bytes(x, bits: int):
-    """int32 codes ``[..., 8 * n / bits]`` in element order from packed code bytes ``[..., n]``.
+def nibbles_from_words(w):
+    """The four 4-bit fields of int32 16-bit words ``w [..., W]``, each *unmasked*: ``w >> 4j``
+    for ``j = 0..3`` (bits above the field are left in place). A consumer that reads only the
+    low bits (a warp shuffle's lane index) or masks once itself saves the AND per element."""
+    return [w if j == 0 else lax.shift_right_logical(w, 4 * j) for j in range(4)]
 
-    ``bits`` 8 returns the bytes; 4: low nibble = even element, one byte gives
-    two codes (a join, no gather).
-    """
-    x = x.astype(jnp.int32)
+
+def codes_from_words(w, bits: int):
+    """int32 codes ``[..., 16 W / bits]`` in element order from 16-bit words ``[..., W]`` (4 or 8 bits)."""
     if bits == 8:
-        return x
+        return interleave(w & 0xFF, lax.shift_right_logical(w, 8))
     if bits == 4:
-        return interleave(x & 0xF, lax.shift_right_logical(x, 4))
-    raise ValueError(f"codes_from_bytes: 4 or 8 bits, got {bits}")
+        return interleave_fields([x & 0xF for x in nibbles_from_words(w)])
+    raise ValueError(f"codes_from_words: 4 or 8 bits, got {bits}")
 
 
 def codes_from_byte_planes(a, b, c):

@@ -147,6 +147,8 @@ def fetch_kv_tile(spec: TileSpec, cache_ref, blk, start, kv_head, valid) -> RawT
     def field(byte0, bits):
         if bits == 3:
             return acc.load_byte_planes(cache_ref, blk, off, kv_head, byte0, dp // 8, d // 8, valid)
+        if bits == 4:  # 16-bit words: four codes each, split by shifts alone (`decode_key_tile`)
+            return (acc.load_words(cache_ref, blk, off, kv_head, byte0, dp // 4, d // 4, valid),)
         return (acc.load_bytes(cache_ref, blk, off, kv_head, byte0, dp * bits // 8, d * bits // 8, valid),)
 
     def half(byte):
@@ -163,7 +165,9 @@ def fetch_kv_tile(spec: TileSpec, cache_ref, blk, start, kv_head, valid) -> RawT
 def _codes(raw_field, bits):
     if bits == 3:
         return km.codes_from_byte_planes(*raw_field)
-    return km.codes_from_bytes(raw_field[0], bits)
+    if bits == 4:
+        return km.codes_from_words(raw_field[0], 4)
+    return raw_field[0].astype(jnp.int32)  # 8-bit codes: the bytes
 
 
 def key_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
@@ -225,7 +229,7 @@ def _pair_indices(raw_field, bits):
     follows yields floats in a plain layout).
     """
     if bits == 4:
-        return raw_field[0].astype(jnp.int32)
+        return km.codes_from_words(raw_field[0], 8)
     a, b, c = (x.astype(jnp.int32) for x in raw_field)
     w = a | (b << 8) | (c << 16)
     return km.interleave_fields([lax.shift_right_logical(w, 6 * j) & 63 for j in range(4)])
@@ -280,16 +284,22 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
             return (km.fp8_bytes_to_float(raw.key[0], cdt),), None
         return (km.fp8_e4m3fn_decode(raw.key[0].astype(jnp.int32)).astype(cdt),), None
     bits = p.key_bits
-    idx = _pair_indices(raw.key, bits)
     half_pairs = spec.head_dim // 2  # pairs past the head hold code 0
     norm = km.half_words_to_float(raw.key_norm, "float16", jnp.float32)
     if jnp.dtype(cdt).itemsize == 2:
         name = jnp.dtype(cdt).name
-        even, odd = idx, lax.shift_right_logical(idx, bits)
+        if bits == 4:
+            # Straight from the words: element 4i + j is field j of word i, so the even elements
+            # are fields 0, 2 and the odd ones 1, 3, each a shift (the lookup masks, see below).
+            f0, f1, f2, f3 = km.nibbles_from_words(raw.key[0])
+            even, odd = km.interleave(f0, f2), km.interleave(f1, f3)
+        else:
+            idx = _pair_indices(raw.key, bits)
+            even, odd = idx, lax.shift_right_logical(idx, bits)
         if entries is not None:
             # A shuffle reads only the lane bits of its index: lanes l and l + 2**bits hold the
             # same entry, so the higher code bits need no mask.
-            entry = km.lane_table_entry(entries, idx.shape)
+            entry = km.lane_table_entry(entries, even.shape)
 
             def lookup(codes):
                 return km.shuffle_lookup(codes, entry)
@@ -304,12 +314,13 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
         (k_even, sq_even), (k_odd, sq_odd) = split(lookup(even)), split(lookup(odd))
         if not p.norm_correction:
             return (k_even, k_odd), norm
-        j = lax.broadcasted_iota(jnp.int32, (rows, idx.shape[1]), 1)
+        j = lax.broadcasted_iota(jnp.int32, (rows, even.shape[1]), 1)
         ones = jnp.where(j < half_pairs, 1.0, 0.0).astype(jnp.float16)
         norm_sq = _dot(ones, sq_even, 1, jnp.float16) + _dot(ones, sq_odd, 1, jnp.float16)  # (r ||c||)**2
         r = lax.bitcast_convert_type(tab_ref[1, 0], jnp.float32)
         # rsqrt is within 2 ulp: far below the rounding of the keys to the compute dtype.
         return (k_even, k_odd), norm[None, :] * (lax.rsqrt(jnp.where(norm_sq > 0.0, norm_sq, 1.0)) * r)
+    idx = _pair_indices(raw.key, bits)
     parts = (lax.bitcast_convert_type(tab_ref[0, idx], jnp.float32),
              lax.bitcast_convert_type(tab_ref[1, idx], jnp.float32))
     if not p.norm_correction:

@@ -67,14 +67,20 @@ ROT_GENERAL = 1  # any Pi: float32 Pi, split into bf16 parts (six dots)
 # Midpoint searches (tq_torch's MID_MODE; see `bucketize`).
 MID_SYMMETRIC, MID_SORTED, MID_ANY = 0, 1, 2
 
-# Tile settings at D=128 by key format (tq_torch's table; see `store_tiles`).
-# NOT yet tuned on a GPU. `TUNING_OVERRIDES` replaces any setting, for tuning
-# runs only (keys: "block_r", "num_warps", "programs_per_sm", "num_stages",
-# "rot_n", "prefetch"); it is read when a call is traced.
+# Tile settings at D=128 by key format (see `store_tiles`). Swept on an H100
+# (T = 32k, Hkv 8, bf16 input; block_r 16/32/64, warps 4/8/16, programs_per_sm
+# 1/2/4, prefetch; one process, bytes identical across settings): mse keeps
+# tq_torch's 64 rows x 16 warps x 1 program (4bit_nc 183, 3bit_nc 180, k3v4_nc
+# 182 us; 32 x 4 x 4 gave 180 / 166 / 172 us but spills 150-270 bytes a thread
+# when Triton 3.9 builds it for sm_90a); fp8 went 155 -> 140 us with
+# 32 rows x 4 warps x 4 programs (103 registers, no spills).
+# `TUNING_OVERRIDES` replaces any setting, for tuning runs only (keys:
+# "block_r", "num_warps", "programs_per_sm", "num_stages", "rot_n",
+# "prefetch"); it is read when a call is traced.
 _TILES_D128 = {
     "mse": dict(block_r=64, num_warps=16, programs_per_sm=1, prefetch=True),
     "mse_general": dict(block_r=16, num_warps=4, programs_per_sm=2, prefetch=False),
-    "fp8": dict(block_r=32, num_warps=8, programs_per_sm=2, prefetch=False),
+    "fp8": dict(block_r=32, num_warps=4, programs_per_sm=4, prefetch=False),
     "raw": dict(block_r=64, num_warps=8, programs_per_sm=4, prefetch=False),
 }
 _INTERPRET_BLOCK_R = 16
