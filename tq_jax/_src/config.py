@@ -72,7 +72,8 @@ def padded_head_dim(head_dim: int) -> int:
 def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     """Tile settings: keys per tile, extend row-tile height, warps, stages, prefetch, programs per SM.
 
-    Head dims above 128 keep smaller key tiles (registers); not tuned separately.
+    Head dims above 128 keep smaller key tiles (registers), on 8 warps except 4-bit mse decode
+    at D <= 256 (measured); other formats there are not tuned separately.
     """
     if interpret:
         return dict(_INTERPRET_TILES)
@@ -82,6 +83,12 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8)
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
+        elif kind == "mse4" and d_pad <= 256:
+            # H100, D = 256 4bit_nc decode, B=32 x 8k, GQA 4, same call: 8 warps x 32 keys
+            # 662 / 664 us (224 registers: one program per SM), 4 warps x 32 keys 516 us (two per
+            # SM, a fifth fewer warp instructions per key), 4 warps x 16 keys 590 us. tq_torch's
+            # table picks 4 x 32 there too.
+            tiles.update(num_warps=4)
     tiles.update(TUNING_OVERRIDES.get(path, {}))
     return tiles
 

@@ -288,14 +288,16 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
     norm = km.half_words_to_float(raw.key_norm, "float16", jnp.float32)
     if jnp.dtype(cdt).itemsize == 2:
         name = jnp.dtype(cdt).name
+        # Each element is its field shifted down, unmasked (the lookup masks, see below):
+        # 4 bits: element 4i + j is field j of 16-bit word i; 3 bits: element 8g + j is field j
+        # of group g's 24-bit word. Even and odd elements come from the even and odd fields.
         if bits == 4:
-            # Straight from the words: element 4i + j is field j of word i, so the even elements
-            # are fields 0, 2 and the odd ones 1, 3, each a shift (the lookup masks, see below).
-            f0, f1, f2, f3 = km.nibbles_from_words(raw.key[0])
-            even, odd = km.interleave(f0, f2), km.interleave(f1, f3)
+            fields = km.nibbles_from_words(raw.key[0])
         else:
-            idx = _pair_indices(raw.key, bits)
-            even, odd = idx, lax.shift_right_logical(idx, bits)
+            a, b, c = (x.astype(jnp.int32) for x in raw.key)
+            w = a | (b << 8) | (c << 16)
+            fields = [w if j == 0 else lax.shift_right_logical(w, 3 * j) for j in range(8)]
+        even, odd = km.interleave_fields(fields[0::2]), km.interleave_fields(fields[1::2])
         if entries is not None:
             # A shuffle reads only the lane bits of its index: lanes l and l + 2**bits hold the
             # same entry, so the higher code bits need no mask.
