@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+import tq_spec
 from tq_torch._src import config
-from tq_torch._src.kernel_math import (biased_code_operand, biased_nibble_operand, table_lookup,
-                                      table_lookup_with_squares)
+from tq_torch._src.kernel_math import (biased_code_operand, biased_nibble_operand, fp8_e4m3fn_encode,
+                                      table_lookup, table_lookup_with_squares)
 
 from tq_torch_testlib import device
 
@@ -121,3 +123,30 @@ def test_biased_nibble_operand_unpacks_words_in_element_order(dtype):
     expected_bias = {torch.bfloat16: 128.0, torch.float16: 1024.0}[dtype]
     assert torch.all(bias == expected_bias)
     assert torch.equal(out.cpu(), codes.to(torch.float32) + expected_bias)
+
+
+@triton.jit
+def _fp8_encode_kernel(x_ptr, out_ptr, HARDWARE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, fp8_e4m3fn_encode(tl.load(x_ptr + i), HARDWARE))
+
+
+@pytest.mark.parametrize("hardware", [False, True], ids=["integer", "cast"])
+def test_fp8_encode_matches_spec_on_every_fp16_and_random_fp32(hardware):
+    """Both encodes (the GPU store takes the cast) give the reference's bits for every float16
+    value (infinities and both NaN signs included), random float32 of wide range, float32
+    subnormals and the rounding and saturation edges."""
+    dev = device()
+    if hardware and config.interpreted(dev):
+        pytest.skip("the fp8 cast is the GPU's convert instruction: needs a GPU (the interpreter runs the integer encode)")
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    rng = np.random.default_rng(0)
+    wide = (rng.standard_normal(1 << 16) * np.exp2(rng.integers(-20, 12, 1 << 16))).astype(np.float32)
+    special = np.array([1.9747, -1.9747, 448.0, 449.0, 464.0, 465.0, 480.0, 1000.0, -1e30, 2.0**-9, 2.0**-10,
+                        1.5 * 2.0**-9, 2.5 * 2.0**-9, 2.0**-6 - 2.0**-12, 0.0, -0.0, 1e-40, -3e-45,
+                        np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    x = np.concatenate([every_half, wide, special])
+    x = np.concatenate([x, rng.standard_normal(-x.size % 1024).astype(np.float32)])
+    out = torch.full((x.size,), 0xAB, dtype=torch.uint8, device=dev)  # canary: every byte is written
+    _fp8_encode_kernel[(x.size // 1024,)](torch.from_numpy(x).to(dev), out, HARDWARE=hardware, BLOCK=1024)
+    np.testing.assert_array_equal(out.cpu().numpy(), tq_spec.fp8_e4m3fn_encode(x))

@@ -16,7 +16,9 @@ encoded. Per tile:
   array rotation (its values are not known when tracing) is split into three
   bf16 parts as well (six dots, about fp32 accuracy). Codes come from a
   binary search over the midpoints (`bucketize`).
-* fp8 keys: exact integer encode (saturate to +-448, round to nearest even).
+* fp8 keys: saturate to +-448, round to nearest even, NaN kept: a hardware
+  cast of the clamped key on sm_89+ (and in interpret mode), else an exact
+  integer encode (`kernel_math.fp8_e4m3fn_encode`).
 * uniform values: ``lo``, ``hi``, ``scale = max((hi - lo) / (2**b - 1), 1e-8)``
   and ``code = clamp(floor((v - lo) / scale + 0.5), 0, 2**b - 1)`` with the
   correctly rounded fp32 quotient (one reciprocal per row, FMA corrections
@@ -53,6 +55,7 @@ import tq_spec
 
 from . import kernel_math as km
 from .cache_access import WordFields, from_word_view, needs_word_view, to_word_view
+from .config import fp8_hardware_convert
 from .inputs import array, index_array, not_differentiable, validate_values
 from .params import _default_tables, resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default, pallas_kwargs
@@ -247,6 +250,7 @@ class StoreConfig:
     block_r: int
     prefetch: bool
     ptx: bool  # GPU lowering: IEEE division/FMAs through PTX; interpret mode divides
+    fp8_convert: bool = False  # fp8 keys by a clamped hardware cast (sm_89+), else the integer encode
 
     @property
     def n_tiles(self) -> int:
@@ -334,7 +338,7 @@ def store_kv_call(key, value, kv_cache, slot_mapping, rotation, midpoints, *, pr
         num_slots=n * page, n_rows=t * hkv, head_dim_padded=d_pad, in_dtype=jnp.dtype(key.dtype).name,
         rot_mode=rot_mode, rot_scale=float(rot_scale), rot_n=tiles["rot_n"],
         mid_mode=MID_ANY if midpoint_mode is None else midpoint_mode, block_r=tiles["block_r"],
-        prefetch=bool(tiles["prefetch"]), ptx=not interpret)
+        prefetch=bool(tiles["prefetch"]), ptx=not interpret, fp8_convert=fp8_hardware_convert(interpret))
     if cfg.num_slots >= 2**31 or cfg.n_rows >= 2**31:
         raise NotImplementedError(f"kv_cache: {cfg.num_slots} slots / {cfg.n_rows} rows; the store addresses "
                                   "fewer than 2**31")
@@ -664,7 +668,7 @@ def encode_tile(cfg: StoreConfig, cache_ref, rot_ref, rot, mids, blk, off, head,
     if p.key_format == "raw":
         dst(f.key, lane, _half_bits(k, p.raw_dtype, cfg.in_dtype), None if dp == d else d)
     elif p.key_format == "fp8":
-        codes = km.fp8_e4m3fn_encode(k.astype(jnp.float32))
+        codes = km.fp8_e4m3fn_encode(k.astype(jnp.float32), hardware=cfg.fp8_convert)
         store_code_words(cfg, cache_ref, blk, off, head, f.key, codes, 0, 8, d)
     else:  # rotated Lloyd-Max codes + fp16 norm (D is a power of two: D == Dp)
         kf = k.astype(jnp.float32)

@@ -19,7 +19,9 @@ encoded. Per tile:
   rotation is split into three bf16 parts as well (six dots, about fp32
   accuracy). Codes come from a binary search over the midpoints
   (`bucketize`: ``bits - 1`` compares for tq_spec's symmetric codebooks).
-* fp8 keys: exact integer encode (saturate to +-448, round to nearest even).
+* fp8 keys: saturate to +-448, round to nearest even, NaN kept: a hardware
+  cast of the clamped key on the GPU (sm_89+, as the decode's fp8 cast), an
+  exact integer encode in the interpreter (`kernel_math.fp8_e4m3fn_encode`).
 * uniform values: ``lo``, ``hi``, ``scale = max((hi - lo) / (2**b - 1), 1e-8)``
   and ``code = clamp(floor((v - lo) / scale + 0.5), 0, 2**b - 1)`` with the
   correctly rounded fp32 quotient (one reciprocal per row, FMA corrections
@@ -360,8 +362,8 @@ def _encode_tile(
     if KEY_FORMAT == 0:  # raw copy
         _store_raw(cache_i16_ptr, row_word, ok, k, RAW_DTYPE, D, D_PAD, INTERPRET)
     elif KEY_FORMAT == 1:  # fp8 e4m3fn, saturating
-        store_code_words(cache_i16_ptr, row_word, ok, fp8_e4m3fn_encode(k.to(tl.float32)).to(tl.int32),
-                         0, 8, D)
+        store_code_words(cache_i16_ptr, row_word, ok,
+                         fp8_e4m3fn_encode(k.to(tl.float32), not INTERPRET).to(tl.int32), 0, 8, D)
     else:  # rotated Lloyd-Max codes + fp16 norm (D is a power of two: D == D_PAD)
         kf = k.to(tl.float32)
         norm = tl.sqrt_rn(tl.sum(kf * kf, axis=1))
