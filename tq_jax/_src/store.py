@@ -28,12 +28,12 @@ encoded. Per tile:
 Every field is built as 16-bit words in registers and written as one tile
 per field: uint16 words on the word view of the cache, else the words'
 bytes (Triton vectorises to the alignment it can prove). A row whose slot is
-outside ``[0, N * P)`` is not written. Unlike tq_torch (masked rows), such a
-row is *redirected to the tile's first written row* (same inputs, same
-slot, identical bytes): interpret mode implements a masked store as a
-read-modify-write of every lane, which would race with a written lane of
-the same slot; a tile with no written row is skipped. There is one writer
-per slot and no atomics. The cache is aliased input -> output
+outside ``[0, N * P)`` is not written: on the GPU its stores are masked, as
+in tq_torch. In interpret mode such a row is instead *redirected to the
+tile's first written row* (same inputs, same slot, identical bytes):
+interpret mode implements a masked store as a read-modify-write of every
+lane, which would race with a written lane of the same slot; a tile with no
+written row is skipped. There is one writer per slot and no atomics. The cache is aliased input -> output
 (`input_output_aliases`): under ``jax.jit(..., donate_argnums=...)``, or
 eagerly with ``store_kv(..., donate_cache=True)``, the update happens in
 place; without donation XLA copies the cache first.
@@ -382,6 +382,9 @@ def _store_kernel(*refs, cfg: StoreConfig):
 
     def encode(tile):
         any_row, blk, off, head, k, v = tile
+        if any_row is None:  # GPU: rows are masked at the stores
+            encode_tile(cfg, cache_ref, rot_ref, rot, mids, blk, off, head, k, v)
+            return
 
         @pl.when(any_row)
         def _():
@@ -406,24 +409,34 @@ def _store_kernel(*refs, cfg: StoreConfig):
 def fetch_tile(cfg: StoreConfig, key_ref, value_ref, sm_ref, tile):
     """Issues the loads of row tile `tile`: (any row written, block, offset, head ``[BR]``, K, V ``[BR, Dp]``).
 
-    Rows whose slot is outside ``[0, N * P)`` (or past the last row) take the
-    identity of the tile's first written row: same inputs, same slot, same
+    Rows whose slot is outside ``[0, N * P)`` (or past the last row) are not written. On the
+    GPU their block is -1 and `_store_words` masks them (any row written: None). In interpret
+    mode they take the identity of the tile's first written row: same inputs, same slot, same
     bytes (see the module docstring); a tile with no written row is skipped.
     """
     br = cfg.block_r
     r = tile * br + lax.broadcasted_iota(jnp.int32, (br,), 0)
     in_range = r < cfg.n_rows
     r = jnp.minimum(r, cfg.n_rows - 1)
-    slot = sm_ref[_div(r, cfg.num_kv_heads)]
-    ok = in_range & (slot >= 0) & (slot < cfg.num_slots)
-    first = jnp.min(jnp.where(ok, r, cfg.n_rows))
-    any_row = first < cfg.n_rows
-    r = jnp.where(ok, r, jnp.minimum(first, cfg.n_rows - 1))
-    tok = _div(r, cfg.num_kv_heads)
+    if cfg.ptx:
+        any_row = None  # no cross-row reduction and no branch per tile
+        tok = _div(r, cfg.num_kv_heads)
+        slot = sm_ref[tok]
+        ok = in_range & (slot >= 0) & (slot < cfg.num_slots)
+        slot = jnp.where(ok, slot, 0)
+    else:
+        slot = sm_ref[_div(r, cfg.num_kv_heads)]
+        ok = in_range & (slot >= 0) & (slot < cfg.num_slots)
+        first = jnp.min(jnp.where(ok, r, cfg.n_rows))
+        any_row = first < cfg.n_rows
+        r = jnp.where(ok, r, jnp.minimum(first, cfg.n_rows - 1))
+        tok = _div(r, cfg.num_kv_heads)
+        slot = jnp.clip(sm_ref[tok], 0, cfg.num_slots - 1)  # in range wherever a row is written
     head = r - tok * cfg.num_kv_heads
-    slot = jnp.clip(sm_ref[tok], 0, cfg.num_slots - 1)  # in range wherever a row is written
     blk = _div(slot, cfg.block_size)
     off = slot - blk * cfg.block_size
+    if cfg.ptx:
+        blk = jnp.where(ok, blk, -1)
     d, dp = cfg.lay.head_dim, cfg.head_dim_padded
     # Padded lanes read the last element again (in bounds); they are never written.
     lane = lax.broadcasted_iota(jnp.int32, (1, dp), 1)
@@ -439,16 +452,25 @@ def _store_words(cfg: StoreConfig, cache_ref, blk, off, head, word0: int, index,
                  first: int | None = None):
     """Writes int32 ``words [BR, W]`` (low 16 bits) at word ``word0 + index [W]`` of each row's slot.
 
-    Words ``index >= count`` are padding and not written. ``first``: given
-    when ``index`` is ``first + iota`` (contiguous). Word view: one uint16
-    store; byte view: the little-endian bytes as one uint8 tile.
+    Words ``index >= count`` are padding and not written, nor (GPU) rows whose block is -1
+    (`fetch_tile`). ``first``: given when ``index`` is ``first + iota`` (contiguous). Word
+    view: one uint16 store; byte view: the little-endian bytes as one uint8 tile.
     """
     contiguous = first is not None
     b2, o2, h2 = blk[:, None], off[:, None], head[:, None]
     words = words.astype(jnp.int32)
+
+    def masked(lanes, shape):
+        # lanes [W'] or None; the GPU masks rows too (interpret mode redirects them instead:
+        # its masked store is a read-modify-write of every lane).
+        m = None if lanes is None else lanes[None, :]
+        if cfg.ptx:
+            m = (b2 >= 0) if m is None else (b2 >= 0) & m
+        return None if m is None else jnp.broadcast_to(m, shape)
+
     if cfg.word_view:
         idx = word0 + index[None, :]
-        mask = None if count is None else jnp.broadcast_to((index < count)[None, :], words.shape)
+        mask = masked(None if count is None else index < count, words.shape)
         pltriton.store(cache_ref.at[b2, o2, h2, idx], (words & 0xFFFF).astype(jnp.uint16), mask=mask)
         return
     lo = words & 0xFF
@@ -459,9 +481,7 @@ def _store_words(cfg: StoreConfig, cache_ref, blk, off, head, word0: int, index,
     n = 2 * index.shape[0]
     byte_idx = (jnp.stack([2 * index, 2 * index + 1], axis=-1).reshape(n) if not contiguous
                 else 2 * first + lax.broadcasted_iota(jnp.int32, (n,), 0))
-    mask = None
-    if count is not None:
-        mask = jnp.broadcast_to((byte_idx < 2 * count)[None, :], byte_vals.shape)
+    mask = masked(None if count is None else byte_idx < 2 * count, byte_vals.shape)
     pltriton.store(cache_ref.at[b2, o2, h2, 2 * word0 + byte_idx[None, :]], byte_vals.astype(jnp.uint8),
                    mask=mask)
 
