@@ -176,4 +176,7 @@ def _shrink_failures(cases, records, legs, options, budget: int) -> list[str]:
 
 
 def _terminate(signum, frame):
+    # Once: timeout(1) signals the whole process group, and a second SIGTERM arriving during
+    # the clean-up would abort it before the partial report is written.
+    signal.signal(signum, signal.SIG_IGN)
     raise KeyboardInterrupt
