@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 
@@ -39,3 +40,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fp8_encode_inputs():
+    """float32 inputs of the fp8 e4m3fn encode tests (both frameworks): every float16 value
+    (infinities and both NaN signs included), 65536 random values of wide range, float32
+    subnormals and the rounding and saturation edges."""
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    rng = np.random.default_rng(0)
+    wide = (rng.standard_normal(1 << 16) * np.exp2(rng.integers(-20, 12, 1 << 16))).astype(np.float32)
+    special = np.array([1.9747, -1.9747, 448.0, 449.0, 464.0, 465.0, 480.0, 1000.0, -1e30, 2.0**-9, 2.0**-10,
+                        1.5 * 2.0**-9, 2.5 * 2.0**-9, 2.0**-6 - 2.0**-12, 0.0, -0.0, 1e-40, -3e-45,
+                        np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    return np.concatenate([every_half, wide, special])
