@@ -137,7 +137,8 @@ def test_fp8_encode_matches_spec_on_every_fp16_and_random_fp32(hardware, fp8_enc
     `fp8_encode_inputs` (every float16, wide random float32, subnormals, the edges)."""
     dev = device()
     if hardware and config.interpreted(dev):
-        pytest.skip("the fp8 cast is the GPU's convert instruction: needs a GPU (the interpreter runs the integer encode)")
+        pytest.skip("the fp8 cast is the GPU's convert instruction: needs a GPU "
+                    "(the interpreter runs the integer encode)")
     x = fp8_encode_inputs
     rng = np.random.default_rng(1)
     x = np.concatenate([x, rng.standard_normal(-x.size % 1024).astype(np.float32)])

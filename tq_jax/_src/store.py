@@ -33,10 +33,11 @@ in tq_torch. In interpret mode such a row is instead *redirected to the
 tile's first written row* (same inputs, same slot, identical bytes):
 interpret mode implements a masked store as a read-modify-write of every
 lane, which would race with a written lane of the same slot; a tile with no
-written row is skipped. There is one writer per slot and no atomics. The cache is aliased input -> output
-(`input_output_aliases`): under ``jax.jit(..., donate_argnums=...)``, or
-eagerly with ``store_kv(..., donate_cache=True)``, the update happens in
-place; without donation XLA copies the cache first.
+written row is skipped. There is one writer per slot and no atomics. The
+cache is aliased input -> output (`input_output_aliases`): under
+``jax.jit(..., donate_argnums=...)``, or eagerly with
+``store_kv(..., donate_cache=True)``, the update happens in place; without
+donation XLA copies the cache first.
 """
 
 from __future__ import annotations

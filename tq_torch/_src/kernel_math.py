@@ -275,7 +275,8 @@ def fp8_e4m3fn_encode(x, HARDWARE: tl.constexpr):
     HARDWARE (GPU, sm_89+): an fp8e4nv cast of the input clamped to +-448, which Triton emits
     as the round-to-nearest-even ``cvt.rn.satfinite.e4m3x2.f32`` (one instruction per two
     elements), NaN set apart. Else an exact integer recipe (about twenty instructions per
-    element; also what the interpreter runs).
+    element). The interpreter runs the recipe: its own fp8 down-cast loses the rounding carry
+    (DESIGN.md section 8).
     """
     u = x.to(tl.uint32, bitcast=True)
     sign = ((u >> 31) & 1).to(tl.uint8) << 7
