@@ -140,7 +140,7 @@ def test_code_unpacking_from_bytes_matches_spec(bits):
 
 
 def test_word_fields_give_the_codes_and_code_pairs():
-    """`nibbles_from_words` leaves the higher bits in place (a shuffle reads only the low 5; the
+    """`unmasked_fields` leaves the higher bits in place (a shuffle reads only the low 5; the
     decode's lane table repeats every 16 lanes): masked to 4 bits they are the codes, and the
     8-bit split is the byte pairs (the float32 pair-table index)."""
     rng = np.random.default_rng(7)
@@ -148,11 +148,12 @@ def test_word_fields_give_the_codes_and_code_pairs():
     codes = rng.integers(0, 16, (n, d)).astype(np.uint8)
     packed = tq_spec.pack_bits(codes, 4).astype(np.int32)
     w = packed[:, 0::2] | (packed[:, 1::2] << 8)
-    f0, f1, f2, f3 = (np.asarray(f) for f in km.nibbles_from_words(jnp.asarray(w)))
+    f0, f1, f2, f3 = (np.asarray(f) for f in km.unmasked_fields(jnp.asarray(w), 4, 4))
     np.testing.assert_array_equal(np.asarray(km.interleave(f0, f2)) & 15, codes[:, 0::2])
     np.testing.assert_array_equal(np.asarray(km.interleave(f1, f3)) & 15, codes[:, 1::2])
     np.testing.assert_array_equal(f0, w)  # nothing masked: the shuffle index is the word itself
     np.testing.assert_array_equal(np.asarray(km.codes_from_words(jnp.asarray(w), 8)), packed)
+    np.testing.assert_array_equal(np.asarray(km.words_to_bytes(jnp.asarray(w))), packed)
     with pytest.raises(ValueError, match="4 or 8 bits"):
         km.codes_from_words(jnp.asarray(w), 3)
 

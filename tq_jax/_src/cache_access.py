@@ -128,7 +128,7 @@ class CacheWords:
         if count < width:
             m = m & (w < count // 2)
         words = pltriton.load(ref.at[blk2, off2, head, byte0 // 2 + w], mask=m, other=0).astype(jnp.int32)
-        return km.interleave(words & 0xFF, lax.shift_right_logical(words, 8)).astype(jnp.uint8)
+        return km.words_to_bytes(words).astype(jnp.uint8)
 
     def load_words(self, ref, blk, off, head, byte0: int, width: int, count: int, mask):
         """int32 ``[BN, width]`` (0..65535): words ``j`` of the field at byte ``byte0`` of each slot.

@@ -42,7 +42,7 @@ def fp8_e4m3fn_encode(x, hardware: bool = False):
     if hardware:
         # Clamped first: saturation does not rest on the convert's overflow rule (XLA's gives NaN).
         code = lax.bitcast_convert_type(jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), jnp.uint8)
-        return jnp.where(is_nan, 0x7F, code.astype(jnp.int32)) | jnp.where(is_nan, sign << 7, 0)
+        return jnp.where(is_nan, 0x7F | (sign << 7), code.astype(jnp.int32))
     mag = jnp.minimum(jnp.abs(jnp.where(is_nan, 0.0, x)), FP8_MAX)
     mbits = lax.bitcast_convert_type(mag, jnp.int32)
     # Normal range: keep exponent and the top 3 mantissa bits, round the other
@@ -198,19 +198,30 @@ def bytes_to_words(x):
     return lo | (hi << 8)
 
 
-def nibbles_from_words(w):
-    """The four 4-bit fields of int32 16-bit words ``w [..., W]``, each *unmasked*: ``w >> 4j``
-    for ``j = 0..3`` (bits above the field are left in place). A consumer that reads only the
-    low bits (a warp shuffle's lane index) or masks once itself saves the AND per element."""
-    return [w if j == 0 else lax.shift_right_logical(w, 4 * j) for j in range(4)]
+def words_to_bytes(w):
+    """int32 16-bit words ``[..., W]`` -> int32 bytes ``[..., 2W]``, little-endian (inverse of `bytes_to_words`)."""
+    return interleave(w & 0xFF, lax.shift_right_logical(w, 8))
+
+
+def group_words(a, b, c):
+    """int32 24-bit little-endian words ``a | b << 8 | c << 16`` of three byte planes ``[..., G]``
+    (the 3-bit streams: 8 codes in 3 bytes)."""
+    return a.astype(jnp.int32) | (b.astype(jnp.int32) << 8) | (c.astype(jnp.int32) << 16)
+
+
+def unmasked_fields(w, bits: int, count: int):
+    """The `count` ``bits``-wide fields of int32 words ``w``, each *unmasked*: ``w >> bits * j``
+    (the bits above a field are left in place). A consumer that reads only the low bits (a warp
+    shuffle's lane index) or masks once itself saves the AND per element."""
+    return [w if j == 0 else lax.shift_right_logical(w, bits * j) for j in range(count)]
 
 
 def codes_from_words(w, bits: int):
     """int32 codes ``[..., 16 W / bits]`` in element order from 16-bit words ``[..., W]`` (4 or 8 bits)."""
     if bits == 8:
-        return interleave(w & 0xFF, lax.shift_right_logical(w, 8))
+        return words_to_bytes(w)
     if bits == 4:
-        return interleave_fields([x & 0xF for x in nibbles_from_words(w)])
+        return interleave_fields([x & 0xF for x in unmasked_fields(w, 4, 4)])
     raise ValueError(f"codes_from_words: 4 or 8 bits, got {bits}")
 
 
@@ -220,8 +231,7 @@ def codes_from_byte_planes(a, b, c):
     ``a, b, c [..., G]``: bytes ``3g``, ``3g + 1``, ``3g + 2`` of the field;
     together a 24-bit little-endian word whose field ``j`` is element ``8g + j``.
     """
-    w = a.astype(jnp.int32) | (b.astype(jnp.int32) << 8) | (c.astype(jnp.int32) << 16)
-    return interleave_fields([lax.shift_right_logical(w, 3 * j) & 7 for j in range(8)])
+    return interleave_fields([x & 7 for x in unmasked_fields(group_words(a, b, c), 3, 8)])
 
 
 def fp8_bytes_to_float(x, dtype):

@@ -229,10 +229,8 @@ def _pair_indices(raw_field, bits):
     follows yields floats in a plain layout).
     """
     if bits == 4:
-        return km.codes_from_words(raw_field[0], 8)
-    a, b, c = (x.astype(jnp.int32) for x in raw_field)
-    w = a | (b << 8) | (c << 16)
-    return km.interleave_fields([lax.shift_right_logical(w, 6 * j) & 63 for j in range(4)])
+        return km.words_to_bytes(raw_field[0])
+    return km.interleave_fields([x & 63 for x in km.unmasked_fields(km.group_words(*raw_field), 6, 4)])
 
 
 def key_parts(spec: TileSpec) -> int:
@@ -292,11 +290,9 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
         # 4 bits: element 4i + j is field j of 16-bit word i; 3 bits: element 8g + j is field j
         # of group g's 24-bit word. Even and odd elements come from the even and odd fields.
         if bits == 4:
-            fields = km.nibbles_from_words(raw.key[0])
+            fields = km.unmasked_fields(raw.key[0], 4, 4)
         else:
-            a, b, c = (x.astype(jnp.int32) for x in raw.key)
-            w = a | (b << 8) | (c << 16)
-            fields = [w if j == 0 else lax.shift_right_logical(w, 3 * j) for j in range(8)]
+            fields = km.unmasked_fields(km.group_words(*raw.key), 3, 8)
         even, odd = km.interleave_fields(fields[0::2]), km.interleave_fields(fields[1::2])
         if entries is not None:
             # A shuffle reads only the lane bits of its index: lanes l and l + 2**bits hold the
