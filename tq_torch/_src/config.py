@@ -121,8 +121,16 @@ _MAX_SPLITS = 64
 # Triton's pipeliner with `num_stages`.
 _TILES_D128 = {
     "decode": {
-        # programs_per_sm: resident programs per SM (registers) x waves. 4 warps x 255 registers: 2.
-        "mse4": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=None, programs_per_sm=4, prefetch=True),
+        # programs_per_sm: resident programs per SM (registers) x waves. 4-bit keys: 3 resident
+        # programs of 4 warps (168 registers; the Triton 3.9 build spills nothing in the key loop
+        # without the prefetch's registers) x 2 waves. H100, B=32 x 8k, one call, a b a b against 2
+        # resident at 255 registers with the prefetch (us): 405 / 376 / 407 / 374, GQA 1 410 / 352 /
+        # 410 / 359, GQA 8 222 / 206 / 222 / 207, q_len 4 414 / 388 / 411 / 389; B=1 x 4k graph
+        # 14.5 -> 13.9. 32-key tiles at 128 registers and 4 resident were slower (419 against 402).
+        # `tall`: what tiles of more than 16 rows (GQA groups over 16) take instead: under the cap
+        # they spill (Triton 3.9, GQA 32: 480 bytes, 90 reloads per key tile).
+        "mse4": dict(block_n=64, num_warps=4, num_stages=1, maxnreg=168, programs_per_sm=6, prefetch=False,
+                     tall=dict(maxnreg=None, programs_per_sm=4, prefetch=True)),
         # One-warp programs: no cross-warp softmax reductions (barriers) per key tile. H100, B=32 x 8k,
         # same call: k8v4 624 -> 451 us, 3bit_nc 777 -> 668 us; 4-bit codes stay faster on 4 warps
         # (and these stay faster on one: steps.md, eleventh session). programs_per_sm 34 keeps their
@@ -168,13 +176,27 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, maxnreg=None)
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
-        elif kind == "mse4" and d_pad <= 256:
-            # H100, D = 256 4bit_nc decode, B=32 x 8k, same call: 8 warps x 64-key tiles 0.495 ms
-            # (Hq 16 / Hkv 4) and 0.967 ms (32 / 8); 4 warps x 32 keys 0.431 and 0.844 ms.
-            # (At 8 warps, 64 keys had beaten 32: 0.77 against 1.02 ms.)
-            tiles.update(block_n=32, num_warps=4)
+        elif kind == "mse4":
+            # The D = 128 register cap and resident programs are not measured on wider heads:
+            # these keep the prefetch and the base count.
+            tiles.update(programs_per_sm=base["programs_per_sm"], prefetch=True)
+            if d_pad <= 256:
+                # H100, D = 256 4bit_nc decode, B=32 x 8k, same call: 8 warps x 64-key tiles 0.495 ms
+                # (Hq 16 / Hkv 4) and 0.967 ms (32 / 8); 4 warps x 32 keys 0.431 and 0.844 ms.
+                # (At 8 warps, 64 keys had beaten 32: 0.77 against 1.02 ms.)
+                tiles.update(block_n=32, num_warps=4)
     tiles.update(TUNING_OVERRIDES.get(path, {}))
     return tiles
+
+
+def decode_tiles(tiles: dict, block_m: int) -> dict:
+    """The decode path's `attention_tiles` for tiles of ``block_m`` rows: with the entry's
+    ``tall`` settings when ``block_m`` is over 16 (and without the ``tall`` key)."""
+    tall = tiles.get("tall", {})
+    out = {k: v for k, v in tiles.items() if k != "tall"}
+    if block_m > 16:
+        out.update(tall)
+    return out
 
 
 def decode_block_m(group_size: int) -> int:

@@ -86,6 +86,8 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
     if path == "decode":
         n, page, hkv, _ = kv_cache.shape
         num_seqs, max_blocks = block_table.shape
+        block_m = config.decode_block_m(hq // hkv)
+        tiles = config.decode_tiles(tiles, block_m)
         splits = num_splits or config.decode_num_splits(
             num_seqs=num_seqs, num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, head_dim=d,
             max_context=max_blocks * page, block_n=tiles["block_n"], device=dev, interpret=interpret,
@@ -93,7 +95,7 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
         spec = decode_spec(
             num_tokens=t, num_q_heads=hq, head_dim=d, num_seqs=num_seqs, num_splits=splits,
             has_sinks=sinks is not None, num_kv_heads=hkv, max_blocks=max_blocks, num_blocks=n, page_size=page,
-            fmt=fmt, block_m=config.decode_block_m(hq // hkv), block_n=tiles["block_n"], d_pad=d_pad,
+            fmt=fmt, block_m=block_m, block_n=tiles["block_n"], d_pad=d_pad,
             dot_dtype=config.TORCH_TO_TL[query.dtype], out_dtype=config.TORCH_TO_TL[out.dtype],
             interpret=interpret, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
             maxnreg=tiles["maxnreg"], prefetch=tiles["prefetch"])
