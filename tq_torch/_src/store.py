@@ -121,7 +121,8 @@ def store_code_words(cache_i16_ptr, row_word, row_ok, codes, COL0: tl.constexpr,
         # A group's 48 bits are 3 words: a[0:16], a[16:24] | b[0:8] << 8, b[8:24], written as
         # 4-word runs (the 4th masked) so that a warp's lanes store consecutive words. Three
         # stores of one word per group left 6-byte gaps between lanes: H100, T = 32k, same
-        # call, 3bit_nc 266 -> 145 us, k3v4_nc 184 -> 141 us (4bit_nc: 148).
+        # call, 3bit_nc 266 -> 145 us, k3v4_nc 184 -> 141 us (4bit_nc: 148). A join adds its
+        # axis last, so the nested joins below read out as (a, middle word, b >> 8, b).
         words = tl.reshape(tl.join(tl.join(a, b >> 8), tl.join((a >> 16) | (b << 8), b)), (BR, 4 * NG))
         w = tl.arange(0, 4 * NG)
         word = (COL0 // 16 + w // 4) * 3 + w % 4
