@@ -204,6 +204,11 @@ def _gqa() -> list[Sweep]:
               derive=lambda f, rng: {**{k: v for k, v in f.items() if k != "num_q_heads_ratio"},
                                      "num_q_heads": f["num_q_heads_ratio"] * f["num_kv_heads"]},
               modes=("full",)),
+        # mse keys under groups of more than 16 query heads: decode tiles of 32 or 64 rows,
+        # which take their own tile settings (tq_torch `config.decode_tiles`).
+        Sweep("gqa", dict(head_dim=128, num_kv_heads=2, block_size=16, seqs=((700, 1), (200, 31), (64, 64))),
+              {("num_q_heads", "preset"): [(64, "turboquant_4bit_nc"), (40, "turboquant_k3v4_nc")]},
+              modes=("full",)),
     ]
 
 

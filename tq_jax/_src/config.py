@@ -31,15 +31,18 @@ _DEFAULT_SM_COUNT = 132
 # kernels (sm_90a, Triton 3.6): mse decode at 64 keys per tile needs 255
 # registers and spills, at 32 it needs 215 (4-bit) / 237 (3-bit) and does
 # not; fp8 decode at 16 keys needs 122 (tq_torch caps it at 128 with
-# maxnreg, which Pallas cannot pass). Not yet measured on a GPU:
-# `.devwork/jax_tune.py` sweeps them.
+# maxnreg, which Pallas cannot pass). Measured sweeps: docs/bench/steps.md.
 # `prefetch`: the hand-pipelined key loop (bytes of tile i+1 in flight in the
 # loop carry); raw 16-bit tiles (16-byte aligned slots) instead leave the
 # loads to Triton's pipeliner with `num_stages` (cp.async).
 _TILES_D128 = {
     "decode": {
-        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
-        "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=True),
+        # mse keys without the hand prefetch (fewer registers live across the key loop). H100,
+        # B=32 x 8k, one call, a b a b (us): 4bit_nc 518 / 503 / 519 / 498, k3v4_nc 560 / 516 /
+        # 560 / 515, 3bit_nc 572 / 513 / 578 / 515, GQA 1 524 / 498 / 517 / 493, q_len 4 525 /
+        # 507 / 529 / 508; fp8 keys keep it (489 / 494 / 484 / 493).
+        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=False),
+        "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=False),
         "fp8": dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=8, prefetch=True),
         "raw": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=False),
     },
@@ -81,14 +84,21 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     tiles.update(_TILES_D128[path][kind])
     if d_pad > 128:
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8)
+        if path == "decode" and kind in ("mse4", "mse3"):
+            # mse decode keeps the prefetch on wider heads (not measured for 3-bit keys), except
+            # 4-bit keys at D <= 256 below. Without it D = 256 4bit_nc took 573 us against 514
+            # (same call as the D <= 128 entries).
+            tiles["prefetch"] = True
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
         elif kind == "mse4" and d_pad <= 256:
             # H100, D = 256 4bit_nc decode, B=32 x 8k, GQA 4, same call: 8 warps x 32 keys
             # 662 / 664 us (224 registers: one program per SM), 4 warps x 32 keys 516 us (two per
             # SM, a fifth fewer warp instructions per key), 4 warps x 16 keys 590 us. tq_torch's
-            # table picks 4 x 32 there too.
-            tiles.update(num_warps=4)
+            # table picks 4 x 32 there too. Without the prefetch and with splits for 3 programs
+            # per SM, one call, a b a b: 516 / 495 / 515 / 491 us (without the prefetch at 4
+            # programs per SM: 573).
+            tiles.update(num_warps=4, prefetch=False, programs_per_sm=3)
     tiles.update(TUNING_OVERRIDES.get(path, {}))
     return tiles
 

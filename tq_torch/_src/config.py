@@ -165,7 +165,8 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
 
     ``kind`` is `key_kind` of the preset. Head dims above 128 take 8 warps and
     smaller key tiles (registers), except 4-bit mse decode at D <= 256, measured
-    fastest on 4 warps; other formats there are not tuned separately.
+    fastest on 4 warps with the D <= 128 residency; other formats there are not tuned
+    separately.
     """
     base = dict(extend_block_m=64, maxnreg=None, programs_per_sm=4, prefetch=True)
     if interpret:
@@ -176,15 +177,19 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, maxnreg=None)
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
+        elif kind == "mse4" and d_pad <= 256:
+            # H100, D = 256 4bit_nc decode, B=32 x 8k, same call: 8 warps x 64-key tiles 0.495 ms
+            # (Hq 16 / Hkv 4) and 0.967 ms (32 / 8); 4 warps x 32 keys 0.431 and 0.844 ms.
+            # (At 8 warps, 64 keys had beaten 32: 0.77 against 1.02 ms.) The D = 128 residency
+            # (168 registers, 3 programs x 2 waves, no hand prefetch) against 2 resident with the
+            # prefetch, Hq 16 / Hkv 4, one call: 424 / 383 / 424 / 374 us; the prefetch dropped
+            # alone 414. The Triton 3.9 build reloads 3-17 spilled words per key tile under the
+            # cap and is still faster.
+            tiles.update(block_n=32, num_warps=4)
+            tiles["maxnreg"] = _TILES_D128[path][kind]["maxnreg"]
         elif kind == "mse4":
-            # The D = 128 register cap and resident programs are not measured on wider heads:
-            # these keep the prefetch and the base count.
+            # Not measured on heads over 256: the prefetch and the base count.
             tiles.update(programs_per_sm=base["programs_per_sm"], prefetch=True)
-            if d_pad <= 256:
-                # H100, D = 256 4bit_nc decode, B=32 x 8k, same call: 8 warps x 64-key tiles 0.495 ms
-                # (Hq 16 / Hkv 4) and 0.967 ms (32 / 8); 4 warps x 32 keys 0.431 and 0.844 ms.
-                # (At 8 warps, 64 keys had beaten 32: 0.77 against 1.02 ms.)
-                tiles.update(block_n=32, num_warps=4)
     tiles.update(TUNING_OVERRIDES.get(path, {}))
     return tiles
 
