@@ -40,9 +40,12 @@ _TILES_D128 = {
         # mse keys without the hand prefetch (fewer registers live across the key loop). H100,
         # B=32 x 8k, one call, a b a b (us): 4bit_nc 518 / 503 / 519 / 498, k3v4_nc 560 / 516 /
         # 560 / 515, 3bit_nc 572 / 513 / 578 / 515, GQA 1 524 / 498 / 517 / 493, q_len 4 525 /
-        # 507 / 529 / 508; fp8 keys keep it (489 / 494 / 484 / 493).
-        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=False),
-        "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=4, prefetch=False),
+        # 507 / 529 / 508; fp8 keys keep it (489 / 494 / 484 / 493). Splits for 5 programs per SM
+        # against 4, same protocol: GQA 8 273 / 254 / 271 / 255, the other rows within 2 %
+        # (2 per SM: GQA 8 261, B=32 x 8k 602; 16 keys, 8 per SM 792; 64 keys x 8 warps 759;
+        # 2 warps 713).
+        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=False),
+        "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=False),
         "fp8": dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=8, prefetch=True),
         "raw": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=False),
     },
@@ -85,10 +88,10 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     if d_pad > 128:
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8)
         if path == "decode" and kind in ("mse4", "mse3"):
-            # mse decode keeps the prefetch on wider heads (not measured for 3-bit keys), except
-            # 4-bit keys at D <= 256 below. Without it D = 256 4bit_nc took 573 us against 514
-            # (same call as the D <= 128 entries).
-            tiles["prefetch"] = True
+            # mse decode keeps the prefetch and 4 programs per SM on wider heads (not measured
+            # for 3-bit keys), except 4-bit keys at D <= 256 below. Without the prefetch D = 256
+            # 4bit_nc took 573 us against 514 (same call as the D <= 128 entries).
+            tiles.update(prefetch=True, programs_per_sm=4)
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
         elif kind == "mse4" and d_pad <= 256:
