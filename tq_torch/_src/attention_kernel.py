@@ -89,7 +89,7 @@ def _find_sequence(qsl_ptr, pid, num_seqs, num_tokens, block_q, SEQ_CHUNK: tl.co
 @triton.jit
 def paged_attention_kernel(
     q_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    cache_u8, cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,
+    cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cn, stride_cp, stride_ch,
     sm_scale, softcap, window, num_seqs, group, block_q, num_q_heads, num_splits,
     num_tokens, num_blocks, max_seq_len,
@@ -139,7 +139,7 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = attend_key_range(
             q, acc, m_i, l_i, pos, row_valid, k_first, k_lo, k_hi, all_lo, all_hi,
-            bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_u8, cache_i16, cb_ptr,
+            bt_ptr, seq.to(tl.int64) * stride_bt, kv_head, cache_i16, cb_ptr,
             stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, HAS_SOFTCAP,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
@@ -213,7 +213,7 @@ def launch_tiles_spec(spec: tuple, q, out, part_acc, part_m, part_l, kv_cache, c
     qs, os_, cs = q.stride(), out.stride(), kv_cache.stride()
     sites[softcap > 0](
         grid,
-        (q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
+        (q, out, part_acc, part_m, part_l, cache_i16, centroids, block_table, seq_lens,
          query_start_loc, sinks if sinks is not None else q),
         (qs[0], qs[1], os_[0], os_[1], block_table.stride(0), cs[0], cs[1], cs[2], sm_scale, softcap, window,
          *ints),

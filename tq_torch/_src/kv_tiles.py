@@ -113,7 +113,7 @@ def _interleave_quads(a, b):
 
 
 @triton.jit
-def fetch_field(cache_u8, cache_i16, field_word, key_valid, D: tl.constexpr, D_PAD: tl.constexpr,
+def fetch_field(cache_i16, field_word, key_valid, D: tl.constexpr, D_PAD: tl.constexpr,
                 BITS: tl.constexpr):
     """Issues the loads of one packed field of ``BN`` keys; returns the raw words ``(a, b, c)``.
 
@@ -188,7 +188,7 @@ def _code(w, SHIFT: tl.constexpr, BITS: tl.constexpr, CLEAN: tl.constexpr):
 
 
 @triton.jit
-def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
+def fetch_kv_tile(cache_i16, slot, key_valid,
                   D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr,
                   KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
                   VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr):
@@ -198,12 +198,12 @@ def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
 
     ``*_FIELD_BITS``: bits per stored element (raw 16, fp8 8, codes 3 or 4).
     """
-    ka, kb, kc = fetch_field(cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FIELD_BITS)
+    ka, kb, kc = fetch_field(cache_i16, slot, key_valid, D, D_PAD, KEY_FIELD_BITS)
     if KEY_FORMAT == 2:
         knorm = tl.load(cache_i16 + slot + KEY_NORM_OFF // 2, mask=key_valid, other=0)
     else:
         knorm = tl.zeros(key_valid.shape, tl.int16)
-    va, vb, vc = fetch_field(cache_u8, cache_i16, slot + VALUE_OFF // 2, key_valid, D, D_PAD, VALUE_FIELD_BITS)
+    va, vb, vc = fetch_field(cache_i16, slot + VALUE_OFF // 2, key_valid, D, D_PAD, VALUE_FIELD_BITS)
     if VALUE_FORMAT == 0:
         vscale = tl.zeros(key_valid.shape, tl.int16)
         vzero = vscale
@@ -214,14 +214,14 @@ def fetch_kv_tile(cache_u8, cache_i16, slot, key_valid,
 
 
 @triton.jit
-def _fetch_keys(cache_u8, cache_i16, blk, start, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+def _fetch_keys(cache_i16, blk, start, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                 KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr,
                 VALUE_FIELD_BITS: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
                 VALUE_ZERO_OFF: tl.constexpr):
     """`fetch_kv_tile` of key positions ``start + arange(BLOCK_N)`` in pages ``blk`` (block ids, -1 = masked)."""
     slot = slot_word_offsets(blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE, BLOCK_N)
-    return fetch_kv_tile(cache_u8, cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS,
+    return fetch_kv_tile(cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS,
                          KEY_NORM_OFF, VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF,
                          VALUE_ZERO_OFF)
 
@@ -376,7 +376,7 @@ def masked_raw_value_dot(p, v, keys, key_valid, pos, row_valid, window, acc, DOT
 def _key_loop(
     q, acc, m_i, l_i, pos, row_valid, start_lo, start_hi, k_first, k_hi,
     ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
-    bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+    bt_ptr, bt_row, kv_head, cache_i16, cb_ptr,
     stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale,
     MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -402,7 +402,7 @@ def _key_loop(
             # tile i+2's block ids, all in flight while tile i is computed.
             valid_n = blk_next >= 0
             ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n = _fetch_keys(
-                cache_u8, cache_i16, blk_next, start + BLOCK_N, valid_n, kv_head, stride_cn, stride_cp, stride_ch,
+                cache_i16, blk_next, start + BLOCK_N, valid_n, kv_head, stride_cn, stride_cp, stride_ch,
                 PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
             blk_next = load_block_ids(bt_ptr, bt_row, start + 2 * BLOCK_N, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
@@ -412,7 +412,7 @@ def _key_loop(
             blk = load_block_ids(bt_ptr, bt_row, start, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
             c_valid = blk >= 0
             c_ka, c_kb, c_kc, c_knorm, c_va, c_vb, c_vc, c_vscale, c_vzero = _fetch_keys(
-                cache_u8, cache_i16, blk, start, c_valid, kv_head, stride_cn, stride_cp, stride_ch,
+                cache_i16, blk, start, c_valid, kv_head, stride_cn, stride_cp, stride_ch,
                 PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
                 VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
 
@@ -483,7 +483,7 @@ def _key_loop(
 @triton.jit
 def attend_key_range(
     q, acc, m_i, l_i, pos, row_valid, k_first, k_lo, k_hi, all_lo, all_hi,
-    bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+    bt_ptr, bt_row, kv_head, cache_i16, cb_ptr,
     stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, HAS_SOFTCAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
@@ -524,7 +524,7 @@ def attend_key_range(
         blk = load_block_ids(bt_ptr, bt_row, k_lo, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
         key_valid = blk >= 0
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
-            cache_u8, cache_i16, blk, k_lo, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
+            cache_i16, blk, k_lo, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
         blk_next = load_block_ids(bt_ptr, bt_row, k_lo + BLOCK_N, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
@@ -539,7 +539,7 @@ def attend_key_range(
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
         q, acc, m_i, l_i, pos, row_valid, k_lo, mid_lo, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
-        bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+        bt_ptr, bt_row, kv_head, cache_i16, cb_ptr,
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
@@ -547,7 +547,7 @@ def attend_key_range(
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
         q, acc, m_i, l_i, pos, row_valid, mid_lo, mid_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
-        bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+        bt_ptr, bt_row, kv_head, cache_i16, cb_ptr,
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, False, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
@@ -555,7 +555,7 @@ def attend_key_range(
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
         q, acc, m_i, l_i, pos, row_valid, mid_hi, k_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
-        bt_ptr, bt_row, kv_head, cache_u8, cache_i16, cb_ptr,
+        bt_ptr, bt_row, kv_head, cache_i16, cb_ptr,
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,

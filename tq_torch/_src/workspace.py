@@ -38,7 +38,7 @@ from .launcher import kernel_site
 
 @triton.jit
 def _dequantize_pages_kernel(
-    cache_u8, cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, ws_ptr, ws_bt_ptr,
+    cache_i16, cb_ptr, bt_ptr, seq_lens_ptr, ws_ptr, ws_bt_ptr,
     stride_bt, stride_cn, stride_cp, stride_ch, stride_wn, stride_wp, stride_wh, max_blocks, num_blocks,
     PAGE_SIZE: tl.constexpr, P_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
@@ -60,7 +60,7 @@ def _dequantize_pages_kernel(
         in_page = p < PAGE_SIZE
         slot = (blk.to(tl.int64) * stride_cn + p.to(tl.int64) * stride_cp + head * stride_ch) >> 1  # words
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero = fetch_kv_tile(
-            cache_u8, cache_i16, slot, in_page, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+            cache_i16, slot, in_page, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
         k, k_factor = decode_key_tile(ka, kb, kc, knorm, cb_ptr, in_page, 1.0, KEY_FORMAT, KEY_FIELD_BITS,
                                       NORM_CORRECTION, RAW_DTYPE, tl.float32, 0, INTERPRET)
@@ -97,7 +97,7 @@ def dequantize_pages(kv_cache, cache_i16, centroids, block_table, seq_lens, *, f
     site = kernel_site(_dequantize_pages_kernel, dict(
         PAGE_SIZE=page, P_PAD=config.next_pow2(page), D_PAD=d_pad, WS_DTYPE=config.TORCH_TO_TL[ws_dtype],
         INTERPRET=interpret, num_warps=4, **config.field_bits_constexprs(fmt)))
-    site((b * max_blocks, hkv), (kv_cache, cache_i16, centroids, block_table, seq_lens, ws, ws_table),
+    site((b * max_blocks, hkv), (cache_i16, centroids, block_table, seq_lens, ws, ws_table),
          (block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
           ws.stride(0), ws.stride(1), ws.stride(2), max_blocks, n))
     return ws.view(torch.uint8), ws_table
