@@ -36,7 +36,8 @@ def _elementwise_in_kernel(fn, *arrays, out_dtype):
     spec = pl.BlockSpec((_BLOCK,), lambda i: (i,))
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((n + pad,), out_dtype), grid=((n + pad) // _BLOCK,),
-        in_specs=[spec] * len(arrays), out_specs=spec, **pallas_kwargs(interpret=None, num_warps=4),
+        in_specs=[spec] * len(arrays), out_specs=spec,
+        **pallas_kwargs(interpret=None, name="kernel_math_probe", num_warps=4),
     )(*arrays)
     return np.asarray(out)[:n]
 
@@ -112,7 +113,7 @@ def _in_kernel_2d(fn, x, out_shape, out_dtype):
         o_ref[...] = fn(x_ref[...]).astype(o_ref.dtype)
 
     return np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
-                                     **pallas_kwargs(interpret=None, num_warps=4))(jnp.asarray(x)))
+                                     **pallas_kwargs(interpret=None, name="kernel_math_probe", num_warps=4))(jnp.asarray(x)))
 
 
 @pytest.mark.parametrize("bits", [3, 4])

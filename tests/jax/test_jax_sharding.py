@@ -143,15 +143,20 @@ def run_checks(devices, names=CHECKS) -> dict:
         # The plan on both kinds of platform, traced only (the Triton one cannot run here): every
         # shard gets the global problem's split count, where the shard's own automatic count differs
         # (on a GPU it grows as the kv heads per call shrink).
-        wide = np.zeros((4, 300), np.int32)  # 4800-token capacity: the split count is not capped by tiles
-        local_q = jax.ShapeDtypeStruct((4, 8 // n_dev, d), jnp.float32)
+        # 16 sequences x 4800-token capacity: the global count is capped neither by key tiles nor by
+        # the split limit, and a shard's (fewer kv heads) is larger.
+        nb = 16
+        wide = np.zeros((nb, 300), np.int32)
+        q_b, lens_b = jnp.zeros((nb, 8, d), jnp.float32), np.full(nb, 100, np.int32)
+        qsl_b = np.arange(nb + 1, dtype=np.int32)
+        local_q = jax.ShapeDtypeStruct((nb, 8 // n_dev, d), jnp.float32)
         local_c = jax.ShapeDtypeStruct(cache.shape[:2] + (hkv // n_dev,) + cache.shape[3:], jnp.uint8)
         for interp in (False, True):
-            glob = decode_splits(lambda: tq_jax.paged_attention(q, cache, wide, seq_lens, qsl, preset=preset,
+            glob = decode_splits(lambda: tq_jax.paged_attention(q_b, cache, wide, lens_b, qsl_b, preset=preset,
                                                                 interpret=interp))
-            shard = decode_splits(lambda: sharding.paged_attention(q, placed, wide, seq_lens, qsl, mesh=mesh,
+            shard = decode_splits(lambda: sharding.paged_attention(q_b, placed, wide, lens_b, qsl_b, mesh=mesh,
                                                                    preset=preset, interpret=interp))
-            own = decode_splits(lambda q_, c_: tq_jax.paged_attention(q_, c_, wide, seq_lens, qsl, preset=preset,
+            own = decode_splits(lambda q_, c_: tq_jax.paged_attention(q_, c_, wide, lens_b, qsl_b, preset=preset,
                                                                       interpret=interp), local_q, local_c)
             if len(glob) != 1 or shard != glob:
                 raise AssertionError(f"interpret={interp}: shards split {shard}, the single-device op {glob}")

@@ -12,6 +12,7 @@ value slicing, scratch buffers), unsupported casts and dot shapes.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -153,13 +154,13 @@ def test_harness_rejects_a_non_power_of_two_tile(triton_modules):
         from tq_jax._src.platform import pallas_kwargs
 
         return pl.pallas_call(kernel, out_shape=S((16,), jnp.float32), grid=(1,),
-                              **pallas_kwargs(interpret=False, num_warps=1))(x)
+                              **pallas_kwargs(interpret=False, name="not_a_power_of_two", num_warps=1))(x)
 
     with pytest.raises(Exception, match="power of 2"):
         _lower_for_cuda(fn, S((16,), jnp.float32))
 
 
-def _triton_ttgir(ttir: str, num_warps: int, num_stages: int) -> str:
+def _triton_compile(ttir: str, num_warps: int, num_stages: int):
     """Compiles a lowered module with the installed Triton for sm_90a; skips if that cannot run here."""
     import os
     import tempfile
@@ -172,11 +173,14 @@ def _triton_ttgir(ttir: str, num_warps: int, num_stages: int) -> str:
             path = os.path.join(tmp, "kernel.ttir")
             with open(path, "w") as f:
                 f.write(ttir)
-            kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                                    options=dict(num_warps=num_warps, num_stages=num_stages))
+            return triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
     except Exception as e:  # no usable Triton/ptxas for sm_90a on this host
         pytest.skip(f"Triton cannot compile for sm_90a here: {type(e).__name__}: {str(e)[:200]}")
-    return kernel.asm["ttgir"]
+
+
+def _triton_ttgir(ttir: str, num_warps: int, num_stages: int) -> str:
+    return _triton_compile(ttir, num_warps, num_stages).asm["ttgir"]
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
@@ -185,8 +189,6 @@ def test_decode_cache_loads_are_vectorized(triton_modules, preset):
     warp along one slot (issue 11: every 16-bit word used to be two 1-byte gathers, one per thread), and
     never moves a tile of pointers between layouts (a gathered centroid tile did: 64 KB of shared
     memory per key tile)."""
-    import re
-
     from tq_jax._src import config
 
     d, hq, hkv = 128, 8, 2
@@ -221,3 +223,33 @@ def test_decode_cache_loads_are_vectorized(triton_modules, preset):
         assert all(a == b == lane[0] for a, b in shuffles), (lane, shuffles)
         moved_ints = [line for line in ttgir.splitlines() if "convert_layout" in line and "xi32, #" in line]
         assert not moved_ints, moved_ints[:2]
+
+
+@pytest.mark.parametrize("hq,path,capped", [(8, "decode", True), (64, "decode", False), (8, "extend", False)],
+                         ids=["decode-16-rows", "decode-32-rows", "extend"])
+def test_register_cap_reaches_the_compiled_kernel(triton_modules, hq, path, capped):
+    """The default decode tiles of mse keys at D = 128 ask for 128 registers (`config._TILES_D128`):
+    the Pallas module carries ``ttg.maxnreg`` (`platform.pallas_kwargs`) and Triton turns it into the
+    PTX ``.maxnreg`` directive. Tiles of 32 rows (GQA 32, ``tall``) and the extend kernel do not."""
+    from tq_jax._src import config, platform
+
+    assert platform.REGISTER_CAP_HOOKED, "the jax version lacks the lowering hook the register cap needs"
+    preset, d, hkv = "turboquant_4bit_nc", 128, 2
+    lay = tq_spec.layout(preset, d)
+    kp = resolve(preset, d)
+    fn = functools.partial(paged_attention_call, preset_name=preset, scale=0.125, sliding_window=None,
+                           logits_soft_cap=None, path=path, num_splits=None, interpret=False)
+    _lower_for_cuda(
+        fn, S((4, hq, d), jnp.bfloat16), S((40, 16, hkv, lay.slot_bytes), jnp.uint8), S((4, 10), jnp.int32),
+        S((4,), jnp.int32), S((5,), jnp.int32), None, S((d, d), jnp.float32), S((16,), jnp.float32),
+    )
+    (module,) = triton_modules
+    tiles = config.attention_tiles(128, False, path, config.key_kind(preset))
+    if path == "decode":
+        tiles = config.decode_tiles(tiles, config.decode_block_m(hq // hkv))
+    assert (tiles["max_registers"] is not None) == capped, tiles
+    attrs = re.findall(r'"?ttg\.maxnreg"? = (\d+) : i32', module)
+    assert attrs == ([str(tiles["max_registers"])] if capped else []), attrs
+    ptx = _triton_compile(module, tiles["num_warps"], tiles["num_stages"]).asm["ptx"]
+    assert re.findall(r"\.maxnreg (\d+)", ptx) == ([str(tiles["max_registers"])] if capped else []), \
+        re.findall(r"\.maxnreg.*", ptx)

@@ -52,6 +52,7 @@ class AttentionConfig:
     soft_cap: float | None
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # Triton ``maxnreg`` (`platform.pallas_kwargs`)
 
     @property
     def block_q(self) -> int:
@@ -95,8 +96,9 @@ def launch_tiles(cfg: AttentionConfig, q, cache, block_table, seq_lens, query_st
         out_shape=out_shape,
         input_output_aliases=aliases,
         grid=(t // cfg.block_q + b, hkv, cfg.num_splits),
-        name="tq_paged_attention_decode" if cfg.split_kv else "tq_paged_attention_extend",
-        **pallas_kwargs(interpret=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        **pallas_kwargs(interpret=interpret,
+                        name="tq_paged_attention_decode" if cfg.split_kv else "tq_paged_attention_extend",
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, max_registers=cfg.max_registers),
     )(*operands)
     return tuple(outs) if cfg.split_kv else outs[0]
 

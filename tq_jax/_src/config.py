@@ -17,7 +17,7 @@ from . import kernel_math as km
 # Interpret mode runs every program on the CPU: small tiles keep the tests
 # fast and still exercise multi-tile loops, partial tiles and page crossings.
 _INTERPRET_TILES = dict(block_n=16, extend_block_m=16, num_warps=4, num_stages=1, prefetch=True,
-                        programs_per_sm=4)
+                        programs_per_sm=4, max_registers=None)
 # Cap on the decode path's float32 partials: a forced decode path on a long
 # prefill gets fewer splits rather than gigabytes of partials.
 _PARTIALS_BUDGET = 256 << 20
@@ -30,8 +30,9 @@ _DEFAULT_SM_COUNT = 132
 # tq_torch's H100 measurements, adjusted to what ptxas reports for these
 # kernels (sm_90a, Triton 3.6): mse decode at 64 keys per tile needs 255
 # registers and spills, at 32 it needs 215 (4-bit) / 237 (3-bit) and does
-# not; fp8 decode at 16 keys needs 122 (tq_torch caps it at 128 with
-# maxnreg, which Pallas cannot pass). Measured sweeps: docs/bench/steps.md.
+# not; fp8 decode at 16 keys needs 122. `max_registers` caps a kernel's
+# registers (Triton's maxnreg, through `platform.pallas_kwargs`).
+# Measured sweeps: docs/bench/steps.md.
 # `prefetch`: the hand-pipelined key loop (bytes of tile i+1 in flight in the
 # loop carry); raw 16-bit tiles (16-byte aligned slots) instead leave the
 # loads to Triton's pipeliner with `num_stages` (cp.async).
@@ -44,8 +45,20 @@ _TILES_D128 = {
         # against 4, same protocol: GQA 8 273 / 254 / 271 / 255, the other rows within 2 %
         # (2 per SM: GQA 8 261, B=32 x 8k 602; 16 keys, 8 per SM 792; 64 keys x 8 warps 759;
         # 2 warps 713).
-        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=False),
-        "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=5, prefetch=False),
+        # `max_registers` 128: 4 resident programs of 4 warps instead of 3 (139 registers uncapped;
+        # the Triton 3.9 build spills 44 bytes at 4-bit keys, 8 at 3-bit). H100, B=32 x 8k 4bit_nc,
+        # one call (us): uncapped at 5 per SM 494.8 / 492.8, capped at 4 per SM 496.8, 8 per SM
+        # 472.4 / 469.7, 12 per SM 465.5; uncapped at 8 per SM 521.7; 112 registers at 8 per SM
+        # 478.2, 96 at 10 per SM 495.2; 64 keys at 168 registers, 6 per SM 517.1 / 517.1. Capped at
+        # 12 per SM against uncapped at 5, one call, a b a b: 4bit_nc 468 / 495 / 471 / 494, k3v4_nc
+        # 493 / 511 / 500 / 515, 3bit_nc 478 / 526 / 480 / 512, GQA 8 246 / 261 / 248 / 263 (16 per
+        # SM within 1 % of 12).
+        # `tall`: tiles of more than 16 rows (GQA groups over 16; `decode_tiles`) keep the uncapped
+        # setting.
+        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=False, max_registers=128,
+                     tall=dict(max_registers=None, programs_per_sm=5)),
+        "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=False, max_registers=128,
+                     tall=dict(max_registers=None, programs_per_sm=5)),
         "fp8": dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=8, prefetch=True),
         "raw": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=False),
     },
@@ -76,17 +89,19 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
-    """Tile settings: keys per tile, extend row-tile height, warps, stages, prefetch, programs per SM.
+    """Tile settings: keys per tile, extend row-tile height, warps, stages, prefetch, programs per SM,
+    register cap (``max_registers``); decode entries may carry ``tall`` (`decode_tiles`).
 
     Head dims above 128 keep smaller key tiles (registers), on 8 warps except 4-bit mse decode
-    at D <= 256 (measured); other formats there are not tuned separately.
+    at D <= 256 (measured), with no register cap; other formats there are not tuned separately.
     """
     if interpret:
         return dict(_INTERPRET_TILES)
-    tiles = dict(extend_block_m=64, programs_per_sm=4)
+    tiles = dict(extend_block_m=64, programs_per_sm=4, max_registers=None)
     tiles.update(_TILES_D128[path][kind])
     if d_pad > 128:
-        tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8)
+        tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, max_registers=None)
+        tiles.pop("tall", None)
         if path == "decode" and kind in ("mse4", "mse3"):
             # mse decode keeps the prefetch and 4 programs per SM on wider heads (not measured
             # for 3-bit keys), except 4-bit keys at D <= 256 below. Without the prefetch D = 256
@@ -104,6 +119,16 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
             tiles.update(num_warps=4, prefetch=False, programs_per_sm=3)
     tiles.update(TUNING_OVERRIDES.get(path, {}))
     return tiles
+
+
+def decode_tiles(tiles: dict, block_m: int) -> dict:
+    """The decode path's `attention_tiles` for tiles of ``block_m`` rows: with the entry's
+    ``tall`` settings when ``block_m`` is over 16 (and without the ``tall`` key)."""
+    tall = tiles.get("tall", {})
+    out = {k: v for k, v in tiles.items() if k != "tall"}
+    if block_m > 16:
+        out.update(tall)
+    return out
 
 
 def decode_block_m(group_size: int) -> int:

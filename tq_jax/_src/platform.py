@@ -20,6 +20,7 @@ custom_call("__gpu$xla.gpu.triton")]``.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 from jax import lax
@@ -63,18 +64,68 @@ def by_lowering_platform(fn, *args, interpret: bool | None):
     return lax.platform_dependent(*args, default=interpreted, **{p: compiled for p in _TRITON_PLATFORMS})
 
 
-def pallas_kwargs(*, interpret: bool | None, num_warps: int, num_stages: int = 1) -> dict:
+def pallas_kwargs(*, interpret: bool | None, name: str, num_warps: int, num_stages: int = 1,
+                  max_registers: int | None = None) -> dict:
     """Keyword arguments shared by every tq_jax `pallas_call`.
 
     Args:
       interpret: True/False (resolved by the caller, see `by_lowering_platform`);
         None falls back to `interpret_default()` (direct kernel calls in tests).
+      name: the kernel's name.
       num_warps: warps per program (power of two, 1..16).
       num_stages: software-pipelining stages of the Triton compiler.
+      max_registers: registers per thread the compiled kernel may use (Triton's
+        ``maxnreg``; None: ptxas decides). Ignored in interpret mode and where
+        the jax version has no hook for it (`REGISTER_CAP_HOOKED`).
     """
     if interpret is None:
         interpret = interpret_default()
+    if max_registers is not None and not interpret:
+        name = f"{name}{_CAP_SUFFIX}{int(max_registers)}"
     return dict(
+        name=name,
         interpret=bool(interpret),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     )
+
+
+# Register caps. `pltriton.CompilerParams` has no ``maxnreg`` (jax 0.10-0.12), but Triton reads
+# the module attribute ``ttg.maxnreg`` when it lowers to LLVM (it is what `triton.compile`'s own
+# ``maxnreg`` option sets), and the Pallas lowering hands the module it builds to that pipeline
+# (XLA's or jaxlib's). So a kernel asks for a cap through its name (``<name>_maxnreg<N>``, the
+# only per-call fact that reaches `lower_jaxpr_to_triton_module`), and the wrapper below puts the
+# attribute on the lowered module. Without the private function the caps are dropped: kernels stay
+# correct and ptxas picks the register count.
+_CAP_SUFFIX = "_maxnreg"
+_CAP_NAME = re.compile(re.escape(_CAP_SUFFIX) + r"(\d+)$")
+
+
+def _install_register_cap_hook() -> bool:
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import lowering as triton_lowering
+    except ImportError:
+        return False
+    original = getattr(triton_lowering, "lower_jaxpr_to_triton_module", None)
+    if original is None:
+        return False
+    if getattr(original, "_tq_register_cap", False):
+        return True
+
+    @functools.wraps(original)
+    def lower_with_register_cap(jaxpr, *args, **kwargs):
+        result = original(jaxpr, *args, **kwargs)
+        match = _CAP_NAME.search(getattr(jaxpr.debug_info, "func_name", "") or "")
+        if match is not None:
+            op = result.module.operation
+            with op.context:
+                op.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
+                                                                   int(match.group(1)))
+        return result
+
+    lower_with_register_cap._tq_register_cap = True
+    triton_lowering.lower_jaxpr_to_triton_module = lower_with_register_cap
+    return True
+
+
+REGISTER_CAP_HOOKED = _install_register_cap_hook()

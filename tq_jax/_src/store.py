@@ -354,8 +354,8 @@ def store_kv_call(key, value, kv_cache, slot_mapping, rotation, midpoints, *, pr
         out_shape=jax.ShapeDtypeStruct(cache_in.shape, cache_in.dtype),
         grid=(min(cfg.n_tiles, programs),),
         input_output_aliases={len(operands) - 1: 0},
-        name=f"tq_store_kv_{preset_name}",
-        **pallas_kwargs(interpret=interpret, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]),
+        **pallas_kwargs(interpret=interpret, name=f"tq_store_kv_{preset_name}", num_warps=tiles["num_warps"],
+                        num_stages=tiles["num_stages"]),
     )(*operands)
     return from_word_view(out) if word_view else out
 
