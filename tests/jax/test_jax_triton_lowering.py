@@ -117,10 +117,17 @@ def test_attention_kernels_lower_to_triton(triton_modules, cfg, path):
         None if kp.rotation is None else S((d, d), jnp.float32),
         None if kp.centroids is None else S((16,), jnp.float32),
     )
+    if path == "dequant":
+        # First the pages into the 16-bit workspace (float32 decode: no dots), then the extend tiles.
+        assert len(triton_modules) == 2
+        decode_pages = triton_modules.pop(0)
+        assert decode_pages.startswith("module @tq_dequantize_pages"), decode_pages[:200]
+        assert "tt.store" in decode_pages and "tt.dot" not in decode_pages
+        assert f"!tt.ptr<{_MLIR_TYPE[q_dtype]}>" in decode_pages  # written in the query's dtype
     assert len(triton_modules) == 1
     dots = [line for line in triton_modules[0].splitlines() if "tt.dot" in line]
     # Per key tile: q @ k^T (mse keys: even and odd elements, the split dot) and p @ v. The dequant
-    # path's kernel reads a raw 16-bit workspace (the decode to it is plain XLA).
+    # path's attention kernel reads the raw 16-bit workspace.
     p = tq_spec.get_preset(preset)
     split = p.key_format == "mse" and path != "dequant"
     # 16-bit queries over norm-corrected mse keys add ||c||**2 as two float16 dots (ones @ squares

@@ -56,7 +56,7 @@ def scoring_space_kv(slots, centroids, *, preset_name: str, head_dim: int):
     """``(K, V)`` float32 ``[..., D]`` of slots ``uint8[..., slot_bytes]``, keys in scoring space.
 
     mse keys stay in the rotated basis (``norm * c_hat``, pairing with ``q_rot = Pi @ q``);
-    `dequantize_cache` rotates them back, the ``dequant`` path's workspace keeps them.
+    `dequantize_cache` rotates them back.
     """
     lay = tq_spec.layout(preset_name, head_dim)
     p, d = lay.preset, head_dim
