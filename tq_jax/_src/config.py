@@ -66,7 +66,11 @@ _TILES_D128 = {
         "mse4": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, prefetch=True),
         "mse3": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, prefetch=True),
         "fp8": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, prefetch=True),
-        "raw": dict(block_n=64, extend_block_m=128, num_warps=8, num_stages=2, prefetch=False),
+        # Raw keys (bf16/fp16 caches, and the dequant path's workspace) on 3 stages. H100, one
+        # call, jax rows (ms), 2 / 3 / 1 stages: chunked 1k over 8k 0.902 / 0.851 / 0.899, mixed
+        # b16 1.513 / 1.443 / 1.547, prefill 8k 3.002 / 2.924 / 2.876, window 4k 2.518 / 2.481 /
+        # 2.358 (a repeat within 1 %; 4 stages as 3; 32 keys: 8-22 % slower).
+        "raw": dict(block_n=64, extend_block_m=128, num_warps=8, num_stages=3, prefetch=False),
     },
 }
 # `TUNING_OVERRIDES[path]` replaces any setting, for tuning runs only (then
@@ -109,6 +113,8 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
             tiles.update(prefetch=True, programs_per_sm=4)
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
+            if kind == "raw":
+                tiles["num_stages"] = 2  # 3 stages measured at D <= 128 only
         elif kind == "mse4" and d_pad <= 256:
             # H100, D = 256 4bit_nc decode, B=32 x 8k, GQA 4, same call: 8 warps x 32 keys
             # 662 / 664 us (224 registers: one program per SM), 4 warps x 32 keys 516 us (two per
