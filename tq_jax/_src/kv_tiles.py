@@ -59,7 +59,7 @@ class TileSpec:
     block_size: int  # P, tokens per page
     num_blocks: int  # N, pages in the cache (a block id outside [0, N) masks its keys)
     max_blocks: int  # block-table columns per sequence
-    block_n: int  # keys per tile (power of two >= 16)
+    block_n: int  # keys per tile: a power of two, >= 16 where a dot takes the tile
     head_dim_padded: int  # power of two >= head_dim (and >= 32)
     compute_dtype: str  # dtype of the dot operands (the query dtype)
     prefetch: bool  # hand-pipelined key loop
