@@ -318,8 +318,9 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
     if path == "dequant":
         # Every page once into a 16-bit raw cache (keys in scoring space), then the
         # extend tiles over it with the query already rotated (`workspace`).
-        ws, ws_table = dequantize_pages(kv_cache, block_table, seq_lens, centroids, preset_name=preset_name,
-                                        head_dim=d, ws_dtype=query.dtype, interpret=interpret)
+        ws, ws_table = dequantize_pages(cache, block_table, seq_lens, centroids, preset_name=preset_name,
+                                        head_dim=d, ws_dtype=query.dtype, word_view=word_view,
+                                        interpret=interpret)
         return _attend(q.astype(query.dtype), ws, ws_table, seq_lens, query_start_loc, sinks, None, None,
                        preset_name=workspace_preset(query.dtype), scale=scale, sliding_window=sliding_window,
                        logits_soft_cap=logits_soft_cap, path="extend", num_splits=None, interpret=interpret,

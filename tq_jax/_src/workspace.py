@@ -36,7 +36,7 @@ import tq_spec
 
 from . import config
 from . import kernel_math as km
-from .cache_access import CacheWords, needs_word_view, to_word_view
+from .cache_access import CacheWords
 from .kv_tiles import TileSpec, decode_key_tile, decode_value_tile, fetch_kv_tile, key_tables
 from .platform import pallas_kwargs
 
@@ -46,14 +46,16 @@ def workspace_preset(query_dtype) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}[jnp.dtype(query_dtype).name]
 
 
-def dequantize_pages(kv_cache, block_table, seq_lens, centroids, *, preset_name: str, head_dim: int,
-                     ws_dtype, interpret: bool):
+def dequantize_pages(cache, block_table, seq_lens, centroids, *, preset_name: str, head_dim: int,
+                     ws_dtype, word_view: bool, interpret: bool):
     """Decodes every page the block table names for its sequence into a raw 16-bit cache.
 
     Args:
-      kv_cache: ``uint8[N, P, Hkv, slot_bytes]``; block_table ``int32[B, max_blocks]``;
-        seq_lens ``int32[B]``; centroids: the codebook (mse presets) or None.
+      cache: the cache as the attention kernels address it: ``uint8[N, P, Hkv, slot_bytes]``,
+        or its ``uint16`` view when `word_view` (`cache_access`); block_table
+        ``int32[B, max_blocks]``; seq_lens ``int32[B]``; centroids: the codebook (mse presets) or None.
       ws_dtype: bfloat16 or float16, the query's dtype.
+      word_view: whether `cache` is the uint16 view.
       interpret: Pallas interpret mode (CPU) or the Triton lowering.
 
     Returns:
@@ -61,16 +63,16 @@ def dequantize_pages(kv_cache, block_table, seq_lens, centroids, *, preset_name:
       raw layout of `workspace_preset`, and its block table (-1 where unused). Pages whose
       entry is -1 are not written (their bytes are unspecified).
     """
-    n, page, hkv, _ = kv_cache.shape
+    n, page, hkv, _ = cache.shape
     b, max_blocks = block_table.shape
     lay = tq_spec.layout(preset_name, head_dim)
-    word_view = needs_word_view(kv_cache.shape)
+    d_pad = config.padded_head_dim(head_dim)
     spec = TileSpec(
         lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
-        max_blocks=int(max_blocks), block_n=_keys_per_step(int(page), config.padded_head_dim(head_dim)),
-        head_dim_padded=config.padded_head_dim(head_dim), compute_dtype="float32", prefetch=False,
-        ptx_div=not interpret, fp8_convert=config.fp8_hardware_convert(interpret), shuffle_lookup=False)
-    operands = [to_word_view(kv_cache) if word_view else kv_cache, block_table, seq_lens]
+        max_blocks=int(max_blocks), block_n=_keys_per_step(int(page), d_pad), head_dim_padded=d_pad,
+        compute_dtype="float32", prefetch=False, ptx_div=not interpret,
+        fp8_convert=config.fp8_hardware_convert(interpret), shuffle_lookup=False)
+    operands = [cache, block_table, seq_lens]
     has_tables = lay.preset.key_format == "mse"
     if has_tables:  # float32 pair tables: keys decode exactly, then round once to ws_dtype
         operands.append(key_tables(centroids, lay.preset.key_bits, jnp.float32, lay.preset.norm_correction))
