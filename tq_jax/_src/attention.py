@@ -332,12 +332,12 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
     spec = TileSpec(
         lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
         max_blocks=int(block_table.shape[1]), block_n=tiles["block_n"], head_dim_padded=d_pad,
-        compute_dtype=cdt, prefetch=tiles["prefetch"], ptx_div=not interpret,
+        compute_dtype=cdt, prefetch=tiles["prefetch"], use_ptx=not interpret,
         fp8_convert=config.fp8_hardware_convert(interpret), shuffle_lookup=not interpret,
     )
     common = dict(tiles=spec, num_q_heads=hq, group=group, scale=scale, window=sliding_window,
                   soft_cap=logits_soft_cap, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-                  max_registers=tiles["max_registers"])
+                  max_registers=tiles["max_registers"], unmasked_tiles=tiles["unmasked_tiles"])
     if path == "decode":
         ns = num_splits or config.decode_num_splits(
             num_seqs=block_table.shape[0], num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, head_dim=d,

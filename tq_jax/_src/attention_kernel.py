@@ -53,6 +53,7 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     max_registers: int | None = None  # Triton ``maxnreg`` (`platform.pallas_kwargs`)
+    unmasked_tiles: bool = True  # `kv_tiles.attend_key_range`: three key loops, or one checked loop
 
     @property
     def block_q(self) -> int:
@@ -203,7 +204,7 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
         m, l, acc = attend_key_range(
             spec, q, state, pos, row_valid, k_first, k_lo, k_hi, cache_ref=cache_ref,
             bt_ref=bt_ref, tab_ref=tab_ref, b=b, kv_head=kv_head, scale=cfg.scale, soft_cap=cfg.soft_cap,
-            window=cfg.window, unmasked_tiles=not cfg.split_kv)
+            window=cfg.window, unmasked_tiles=cfg.unmasked_tiles)
         if cfg.split_kv:
             acc_ref, m_ref, l_ref = rest
             pltriton.store(acc_ref.at[t_idx, h_idx, split, lane], acc, mask=rmask)
@@ -220,6 +221,6 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
             rescale = jnp.exp(m_fin - m_new)
             acc = acc * rescale[:, None]
             denom = l * rescale + jnp.exp(sink - m_new)
-        out = km.ieee_div(acc, jnp.where(seen, denom, 1.0)[:, None], use_ptx=spec.ptx_div)
+        out = km.ieee_div(acc, jnp.where(seen, denom, 1.0)[:, None], use_ptx=spec.use_ptx)
         out = jnp.where(seen[:, None], out, 0.0).astype(o_ref.dtype)
         pltriton.store(o_ref.at[t_idx, h_idx, lane], out, mask=rmask)

@@ -99,9 +99,11 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     Head dims above 128 keep smaller key tiles (registers), on 8 warps except 4-bit mse decode
     at D <= 256 (measured), with no register cap; other formats there are not tuned separately.
     """
+    # `unmasked_tiles` (`kv_tiles.attend_key_range`): the extend path's three key loops; the
+    # split-KV decode keeps one checked loop (measured faster there, see `attention_kernel`).
     if interpret:
-        return dict(_INTERPRET_TILES)
-    tiles = dict(extend_block_m=64, programs_per_sm=4, max_registers=None)
+        return dict(_INTERPRET_TILES, unmasked_tiles=path != "decode")
+    tiles = dict(extend_block_m=64, programs_per_sm=4, max_registers=None, unmasked_tiles=path != "decode")
     tiles.update(_TILES_D128[path][kind])
     if d_pad > 128:
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, max_registers=None)

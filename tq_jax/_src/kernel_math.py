@@ -275,6 +275,24 @@ def ieee_div(a, b, *, use_ptx: bool):
     return q if shape else q.reshape(())
 
 
+def exp2(x, *, use_ptx: bool):
+    """``2 ** x`` for float32 `x`: PTX ``ex2.approx.ftz.f32`` (one MUFU.EX2) with ``use_ptx``
+    (kernels lowered for a GPU), else `jnp.exp2`.
+
+    The softmax's exponent (tq_torch's `tl.exp2`): 2 ulp at most, -inf -> 0, NaN -> NaN;
+    results below 2**-126 flush to 0 (they vanish next to the row's largest term, which is 1).
+    """
+    x = jnp.asarray(x, jnp.float32)
+    if not use_ptx:
+        return jnp.exp2(x)
+    vec = x.shape if x.shape else (1,)
+    [y] = pltriton.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[jnp.broadcast_to(x, vec)], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(vec, jnp.float32)],
+    )
+    return y if x.shape else y.reshape(())
+
+
 def div_nonneg(x, c: int):
     """``x // c`` for non-negative int32 `x` and a static ``c >= 1``: a shift when ``c`` is a power
     of two (jnp's floor division of signed integers costs a few extra instructions per element)."""

@@ -49,6 +49,9 @@ from tq_spec import Layout
 from . import kernel_math as km
 from .cache_access import CacheWords
 
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
 
 @dataclass(frozen=True)
 class TileSpec:
@@ -63,7 +66,7 @@ class TileSpec:
     head_dim_padded: int  # power of two >= head_dim (and >= 32)
     compute_dtype: str  # dtype of the dot operands (the query dtype)
     prefetch: bool  # hand-pipelined key loop
-    ptx_div: bool  # IEEE division through PTX (GPU lowering); plain `/` in interpret mode
+    use_ptx: bool  # inline PTX (GPU lowering): IEEE division, ex2.approx; jnp in interpret mode
     fp8_convert: bool = True  # fp8 keys by a hardware cast (sm_89+), else the integer decode
     shuffle_lookup: bool = False  # mse keys by warp shuffles (GPU lowering), else gathers
 
@@ -328,7 +331,7 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
         j = lax.broadcasted_iota(jnp.int32, sq2.shape, 1)
         sq2 = jnp.where(j < half_pairs, sq2, 0.0)
     sq = jnp.sum(sq2, axis=1)
-    return parts, km.ieee_div(norm, jnp.sqrt(jnp.where(sq > 0.0, sq, 1.0)), use_ptx=spec.ptx_div)
+    return parts, km.ieee_div(norm, jnp.sqrt(jnp.where(sq > 0.0, sq, 1.0)), use_ptx=spec.use_ptx)
 
 
 # 16-bit float bit patterns ``BITS | c`` that are exactly ``BIAS + c`` for every 7-bit code ``c``.
@@ -429,12 +432,16 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
     ``q``: `load_query_parts` (a tuple of compute-dtype ``[M, Dp / parts]``).
 
     ``state = (m, l, acc)``: float32 ``[M]``, ``[M]``, ``[M, Dp]`` (natural-log
-    domain; ``m`` is -inf until a row sees a key). ``pos [M]``: each row's
+    domain in and out; the loop keeps ``m`` in the log2 domain, as tq_torch's kernels
+    do; ``m`` is -inf until a row sees a key). ``pos [M]``: each row's
     absolute query position; key ``j`` is visible iff ``j <= pos`` (and
     ``j > pos - window``). Returns the updated state, unnormalised.
     """
     bn = spec.block_n
     cdt = spec.compute_dtype
+    # exp2 of log2-domain scores: one MUFU.EX2 per element (`kernel_math.exp2`), where exp is
+    # libdevice's accurate expf (about ten instructions). The soft cap applies to the plain logits.
+    score_scale = scale if soft_cap is not None else scale * LOG2E
     lane = lax.broadcasted_iota(jnp.int32, (bn,), 0)
     k_lo = jnp.asarray(k_lo, jnp.int32)
     n_tiles = km.div_nonneg(jnp.maximum(k_hi - k_lo, 0) + bn - 1, bn)
@@ -463,13 +470,14 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         s = _dot(q[0], ks[0], 1, cdt)
         for qj, kj in zip(q[1:], ks[1:]):
             s = s + _dot(qj, kj, 1, cdt)
+        # Scores in the log2 domain (`score_scale`), so the softmax is exp2.
         if factor is None:
-            s = s * scale
+            s = s * score_scale
         else:
-            s = s * (factor * scale if factor.ndim == 2 else (factor * scale)[None, :])
+            s = s * (factor * score_scale if factor.ndim == 2 else (factor * score_scale)[None, :])
         if soft_cap is not None:
             # On the scaled logits, before masking (DESIGN.md section 3).
-            s = soft_cap * jnp.tanh(s / soft_cap)
+            s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
         if masked:
             visible = valid[None, :] & row_valid[:, None] & (keys[None, :] <= pos[:, None])
             if window is not None:
@@ -479,10 +487,10 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
             s = s + jnp.where(valid, 0.0, -jnp.inf)[None, :]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row that has seen no visible key keeps m = -inf; shift by 0 instead
-        # so exp() sees -inf - 0 (-> 0), never -inf - -inf (NaN).
+        # so exp2() sees -inf - 0 (-> 0), never -inf - -inf (NaN).
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        prob = jnp.exp(s - m_safe[:, None])
+        alpha = km.exp2(m - m_safe, use_ptx=spec.use_ptx)
+        prob = km.exp2(s - m_safe[:, None], use_ptx=spec.use_ptx)
         l = l * alpha + jnp.sum(prob, axis=1)
         v, v_scale, v_zero, bias = decode_value_tile(spec, raw)
         if v_scale is None and not masked:
@@ -515,7 +523,9 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
             p_scaled = p_scaled.astype(cdt)
             if bias:
                 row_terms = row_terms - bias * p_scaled.astype(jnp.float32)
-            pv = _dot(p_scaled, v, 0, cdt) + jnp.sum(row_terms, axis=1)[:, None]
+            # One add onto the dot's result: Triton's combine pass makes it the dot's accumulator.
+            acc = acc * alpha[:, None] + jnp.sum(row_terms, axis=1)[:, None]
+            return m_new, l, _dot(p_scaled, v, 0, cdt) + acc
         return m_new, l, acc * alpha[:, None] + pv
 
     # Tiles k_lo + i * bn for i in [i_mid, i_diag) hold only keys every valid row sees.
@@ -527,6 +537,7 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         ((0, n_tiles, True),)
 
     m, l, acc = state
+    m = m * LOG2E  # the loop's running max is in the log2 domain
     if not spec.prefetch:
         def body(i, carry, masked):
             m, l, acc = carry
@@ -537,7 +548,8 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         carry = (m, l, acc)
         for lo, hi, masked in loops:
             carry = lax.fori_loop(lo, hi, functools.partial(body, masked=masked), carry)
-        return carry
+        m, l, acc = carry
+        return m * LN2, l, acc
 
     def body_prefetch(i, carry, masked):
         m, l, acc, raw, blk, blk_next = carry
@@ -556,4 +568,4 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
     for lo, hi, masked in loops:
         carry = lax.fori_loop(lo, hi, functools.partial(body_prefetch, masked=masked), carry)
     m, l, acc, *_ = carry
-    return m, l, acc
+    return m * LN2, l, acc

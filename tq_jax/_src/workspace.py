@@ -70,7 +70,7 @@ def dequantize_pages(cache, block_table, seq_lens, centroids, *, preset_name: st
     spec = TileSpec(
         lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
         max_blocks=int(max_blocks), block_n=_keys_per_step(int(page), d_pad), head_dim_padded=d_pad,
-        compute_dtype="float32", prefetch=False, ptx_div=not interpret,
+        compute_dtype="float32", prefetch=False, use_ptx=not interpret,
         fp8_convert=config.fp8_hardware_convert(interpret), shuffle_lookup=False)
     operands = [cache, block_table, seq_lens]
     has_tables = lay.preset.key_format == "mse"
