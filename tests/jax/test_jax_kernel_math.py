@@ -77,15 +77,20 @@ def test_pack_and_unpack_match_spec_bit_stream(bits, n):
     np.testing.assert_array_equal(np.asarray(km.unpack_codes(lo, hi, jnp.asarray(e, jnp.int32), bits)), codes)
 
 
-@pytest.mark.parametrize("name", ["float16", "bfloat16"])
-def test_half_fields_match_spec_bits(name):
+@pytest.mark.parametrize("name,ptx", [("float16", False), ("float16", True), ("bfloat16", False)],
+                         ids=["float16", "float16-ptx", "bfloat16"])
+def test_half_fields_match_spec_bits(name, ptx):
+    """Every float16, wide random float32 and the edges; ``ptx``: the store's PTX conversion on a
+    GPU (`f32_to_half_bits(use_ptx=True)`; interpret mode keeps the integer recipe)."""
+    use_ptx = ptx and not interpret_default()
     rng = np.random.default_rng(1)
     x = np.concatenate([
         np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),
         (rng.standard_normal(1 << 16) * np.exp2(rng.integers(-30, 20, 1 << 16))).astype(np.float32),
         np.array([65504.0, 65520.0, 1e10, -1e10, 2.0**-24, 2.0**-25, 1.5 * 2.0**-24, 3e-8, 0.0, -0.0], np.float32),
     ])
-    bits = _elementwise_in_kernel(lambda v: km.f32_to_half_bits(v, name), x, out_dtype=jnp.int32)
+    bits = _elementwise_in_kernel(lambda v: km.f32_to_half_bits(v, name, use_ptx=use_ptx), x,
+                                  out_dtype=jnp.int32)
     with np.errstate(over="ignore"):
         b = (tq_spec.fp16_bytes if name == "float16" else tq_spec.bf16_bytes)(x)
     want_bits = b[..., 0].astype(np.int32) | (b[..., 1].astype(np.int32) << 8)
@@ -104,6 +109,22 @@ def test_ieee_div_in_kernel_is_correctly_rounded():
     use_ptx = not interpret_default()
     got = _elementwise_in_kernel(lambda x, y: km.ieee_div(x, y, use_ptx=use_ptx), a, b, out_dtype=jnp.float32)
     np.testing.assert_array_equal(got, a / b)
+
+
+def test_exp2_in_kernel():
+    """The softmax exponent, exact at the edges the online softmax meets (-inf -> 0, 0 -> 1,
+    NaN -> NaN). PTX ex2.approx on a GPU is within 2 ulp; XLA's CPU exp2 (interpret mode) is
+    exp(x ln 2), whose error grows with |x| (about |x| ulp)."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-120.0, 0.0, 1 << 14), [-np.inf, 0.0, np.nan, -1.0, -0.5]]).astype(np.float32)
+    use_ptx = not interpret_default()
+    got = _elementwise_in_kernel(lambda v: km.exp2(v, use_ptx=use_ptx), x, out_dtype=jnp.float32)
+    want = np.exp2(x.astype(np.float64))
+    np.testing.assert_array_equal(got[-5:-3], [0.0, 1.0])
+    assert np.isnan(got[-3])
+    rel = np.abs(got[:-5] / want[:-5] - 1.0)
+    bound = 2.0**-22 * np.maximum(1.0, np.abs(x[:-5]))
+    assert np.all(rel <= bound), (x[:-5][rel > bound][:4], rel[rel > bound][:4])
 
 
 def _in_kernel_2d(fn, x, out_shape, out_dtype):

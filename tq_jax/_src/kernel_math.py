@@ -83,19 +83,28 @@ def half_bits_to_f32(word, dtype_name: str = "float16"):
     return lax.bitcast_convert_type(word.astype(jnp.uint16), dtype).astype(jnp.float32)
 
 
-def f32_to_half_bits(x, dtype_name: str = "float16"):
+def f32_to_half_bits(x, dtype_name: str = "float16", *, use_ptx: bool = False):
     """float32 -> int32 holding the fp16/bf16 bit pattern (round to nearest even).
 
     Integer recipes instead of a float cast: on the GPU, Triton's packed
     f32 -> bf16 conversion feeding a bitcast gave wrong low bytes (seen on an
     H200 with jax 0.11.2), and the integer form is exact on every backend.
     NaN stays a quiet NaN (with the input's sign); overflow goes to +-inf.
+    ``use_ptx`` (fp16, kernels lowered for a GPU): PTX ``cvt.rn.f16.f32`` of each
+    element into a 32-bit register (no packed conversion), the same bits as the recipe
+    in three instructions instead of about thirty.
     """
     x = x.astype(jnp.float32)
     bits = lax.bitcast_convert_type(x, jnp.int32)
     sign = lax.shift_right_logical(bits, 16) & 0x8000
     mag = bits & 0x7FFFFFFF
     is_nan = mag > 0x7F800000
+    if use_ptx and dtype_name == "float16":
+        [half] = pltriton.elementwise_inline_asm(
+            "{ .reg .b16 h;\n cvt.rn.f16.f32 h, $1;\n cvt.u32.u16 $0, h; }",
+            args=[x], constraints="=r,f", pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.int32)],
+        )
+        return jnp.where(is_nan, sign | 0x7E00, half)
     if dtype_name == "bfloat16":
         lsb = lax.shift_right_logical(mag, 16) & 1
         half = lax.shift_right_logical(mag + 0x7FFF + lsb, 16)

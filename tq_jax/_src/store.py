@@ -525,7 +525,7 @@ def store_code_words(cfg: StoreConfig, cache_ref, blk, off, head, word0: int, co
 
 def _store_fp16_field(cfg: StoreConfig, cache_ref, blk, off, head, word: int, x):
     """Stores float32 ``x [BR]`` as little-endian fp16 (RNE, integer recipe) at word ``word``."""
-    bits = km.f32_to_half_bits(x)[:, None]
+    bits = km.f32_to_half_bits(x, use_ptx=cfg.ptx)[:, None]
     _store_words(cfg, cache_ref, blk, off, head, word, jnp.zeros((1,), jnp.int32), bits, first=0)
 
 
@@ -646,6 +646,17 @@ def _div_rn(a, b, ptx: bool):
     return jnp.broadcast_to(a, shape) / lax.optimization_barrier(jnp.broadcast_to(b, shape))
 
 
+def _div_by_row_ptx(out: str) -> str:
+    """PTX of a correctly rounded ``x / s`` from x ($1), RN(1/s) ($2) and -s ($3) into register
+    `out`: ``x * (1/s)`` and two FMA residual corrections. Opens a scope the caller closes."""
+    return ("{ .reg .f32 q, e;\n"
+            " fma.rn.f32 q, $1, $2, 0f00000000;\n"
+            " fma.rn.f32 e, q, $3, $1;\n"
+            " fma.rn.f32 q, e, $2, q;\n"
+            " fma.rn.f32 e, q, $3, $1;\n"
+            f" fma.rn.f32 {out}, e, $2, q;")
+
+
 def div_by_row(cfg: StoreConfig, x, s, inv_s):
     """Correctly rounded ``x / s`` (fp32) for ``x [BR, W]``, ``s > 0`` per row, ``inv_s = RN(1/s)``.
 
@@ -658,16 +669,30 @@ def div_by_row(cfg: StoreConfig, x, s, inv_s):
     shape = x.shape
     neg_s = jnp.broadcast_to((0.0 - jnp.minimum(s, _F32_MAX))[:, None], shape)
     [q] = pltriton.elementwise_inline_asm(
-        "{ .reg .f32 q, e;\n"
-        " fma.rn.f32 q, $1, $2, 0f00000000;\n"
-        " fma.rn.f32 e, q, $3, $1;\n"
-        " fma.rn.f32 q, e, $2, q;\n"
-        " fma.rn.f32 e, q, $3, $1;\n"
-        " fma.rn.f32 $0, e, $2, q; }",
+        _div_by_row_ptx("$0") + " }",
         args=[x, jnp.broadcast_to(inv_s[:, None], shape), neg_s], constraints="=f,f,f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
     )
     return q
+
+
+def rounded_quotient(cfg: StoreConfig, x, s, inv_s):
+    """``floor(x / s + 0.5)`` as int32 (`div_by_row`'s correctly rounded quotient; NaN -> 0).
+
+    On the GPU the add and the floor-to-integer are PTX ``add.rn`` and ``cvt.rmi.s32.f32``
+    (one F2I.FLOOR, saturating, NaN -> 0) inside the division's asm: `jnp.floor` and an int32
+    cast cost a round, two clamps and a convert per element.
+    """
+    if not cfg.ptx:
+        return jnp.floor(div_by_row(cfg, x, s, inv_s) + 0.5).astype(jnp.int32)
+    shape = x.shape
+    neg_s = jnp.broadcast_to((0.0 - jnp.minimum(s, _F32_MAX))[:, None], shape)
+    [code] = pltriton.elementwise_inline_asm(
+        _div_by_row_ptx("q") + "\n add.rn.f32 q, q, 0f3F000000;\n cvt.rmi.s32.f32 $0, q; }",
+        args=[x, jnp.broadcast_to(inv_s[:, None], shape), neg_s], constraints="=r,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32)],
+    )
+    return code
 
 
 def _half_bits(x, raw_dtype: str, in_dtype: str):
@@ -713,9 +738,8 @@ def encode_tile(cfg: StoreConfig, cache_ref, rot_ref, rot, mids, blk, off, head,
     hi = jnp.max(vf, axis=1)
     scale = jnp.maximum(_div_rn(hi - lo, float(levels), cfg.ptx), VALUE_SCALE_MIN)
     inv_scale = _div_rn(1.0, scale, cfg.ptx)
-    pos = div_by_row(cfg, vf - lo[:, None], scale, inv_scale) + 0.5
-    # pos >= 0.5 and floor(pos) <= levels for finite rows; NaN rows get code 0.
-    codes = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, levels)
+    # floor((v - lo) / scale + 0.5): >= 0 and <= levels for finite rows; NaN rows get code 0.
+    codes = jnp.clip(rounded_quotient(cfg, vf - lo[:, None], scale, inv_scale), 0, levels)
     store_code_words(cfg, cache_ref, blk, off, head, f.value, codes, 0, p.value_bits, d)
     _store_fp16_field(cfg, cache_ref, blk, off, head, f.value_scale, scale)
     _store_fp16_field(cfg, cache_ref, blk, off, head, f.value_zero, lo)
