@@ -273,8 +273,8 @@ def _sm_count() -> int:
 def store_tiles(d_pad: int, key_format: str, rot_mode: int, in_bytes: int, interpret: bool) -> dict:
     """Launch settings for one head dim, key format and input width (plus `TUNING_OVERRIDES`).
 
-    Same table and rules as tq_torch's `store_tiles` (there is no register
-    cap to set here: Pallas' Triton lowering takes no ``maxnreg``).
+    Same table and rules as tq_torch's `store_tiles`, without its default
+    register cap (`platform.pallas_kwargs` could set one; not measured for the store).
     """
     rot_n = d_pad if d_pad <= 256 else 128
     if interpret:
@@ -524,7 +524,7 @@ def store_code_words(cfg: StoreConfig, cache_ref, blk, off, head, word0: int, co
 
 
 def _store_fp16_field(cfg: StoreConfig, cache_ref, blk, off, head, word: int, x):
-    """Stores float32 ``x [BR]`` as little-endian fp16 (RNE, integer recipe) at word ``word``."""
+    """Stores float32 ``x [BR]`` as little-endian fp16 (RNE; `kernel_math.f32_to_half_bits`) at word ``word``."""
     bits = km.f32_to_half_bits(x, use_ptx=cfg.ptx)[:, None]
     _store_words(cfg, cache_ref, blk, off, head, word, jnp.zeros((1,), jnp.int32), bits, first=0)
 
