@@ -288,7 +288,7 @@ def exp2(x, *, use_ptx: bool):
     """``2 ** x`` for float32 `x`: PTX ``ex2.approx.ftz.f32`` (one MUFU.EX2) with ``use_ptx``
     (kernels lowered for a GPU), else `jnp.exp2`.
 
-    The softmax's exponent (tq_torch's `tl.exp2`): 2 ulp at most, -inf -> 0, NaN -> NaN;
+    The softmax's exponent (tq_torch's `tl.exp2`): an approximation of a few ulp, -inf -> 0, NaN -> NaN;
     results below 2**-126 flush to 0 (they vanish next to the row's largest term, which is 1).
     """
     x = jnp.asarray(x, jnp.float32)

@@ -646,49 +646,29 @@ def _div_rn(a, b, ptx: bool):
     return jnp.broadcast_to(a, shape) / lax.optimization_barrier(jnp.broadcast_to(b, shape))
 
 
-def _div_by_row_ptx(out: str) -> str:
-    """PTX of a correctly rounded ``x / s`` from x ($1), RN(1/s) ($2) and -s ($3) into register
-    `out`: ``x * (1/s)`` and two FMA residual corrections. Opens a scope the caller closes."""
-    return ("{ .reg .f32 q, e;\n"
-            " fma.rn.f32 q, $1, $2, 0f00000000;\n"
-            " fma.rn.f32 e, q, $3, $1;\n"
-            " fma.rn.f32 q, e, $2, q;\n"
-            " fma.rn.f32 e, q, $3, $1;\n"
-            f" fma.rn.f32 {out}, e, $2, q;")
-
-
-def div_by_row(cfg: StoreConfig, x, s, inv_s):
-    """Correctly rounded ``x / s`` (fp32) for ``x [BR, W]``, ``s > 0`` per row, ``inv_s = RN(1/s)``.
-
-    Two FMA residual corrections of ``x * inv_s`` (the fast path of
-    ``div.rn.f32`` without its per-element reciprocal), through PTX on the
-    GPU; interpret mode divides (XLA's IEEE division).
-    """
-    if not cfg.ptx:
-        return _div_rn(x, s[:, None], False)
-    shape = x.shape
-    neg_s = jnp.broadcast_to((0.0 - jnp.minimum(s, _F32_MAX))[:, None], shape)
-    [q] = pltriton.elementwise_inline_asm(
-        _div_by_row_ptx("$0") + " }",
-        args=[x, jnp.broadcast_to(inv_s[:, None], shape), neg_s], constraints="=f,f,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
-    )
-    return q
-
-
 def rounded_quotient(cfg: StoreConfig, x, s, inv_s):
-    """``floor(x / s + 0.5)`` as int32 (`div_by_row`'s correctly rounded quotient; NaN -> 0).
+    """``floor(x / s + 0.5)`` as int32 for ``x [BR, W]``, ``s > 0`` per row, ``inv_s = RN(1/s)``,
+    with the correctly rounded fp32 quotient (tq_torch's `div_by_row`, the ``+ 0.5`` and the
+    floor in one); NaN -> 0.
 
-    On the GPU the add and the floor-to-integer are PTX ``add.rn`` and ``cvt.rmi.s32.f32``
-    (one F2I.FLOOR, saturating, NaN -> 0) inside the division's asm: `jnp.floor` and an int32
-    cast cost a round, two clamps and a convert per element.
+    On the GPU one PTX block: ``x * inv_s`` and two FMA residual corrections (the fast path of
+    ``div.rn.f32`` without its per-element reciprocal), ``add.rn`` and ``cvt.rmi.s32.f32`` (one
+    F2I.FLOOR, saturating, NaN -> 0; `jnp.floor` and an int32 cast cost a round, two clamps and
+    a convert per element). Interpret mode divides (XLA's IEEE division).
     """
     if not cfg.ptx:
-        return jnp.floor(div_by_row(cfg, x, s, inv_s) + 0.5).astype(jnp.int32)
+        return jnp.floor(_div_rn(x, s[:, None], False) + 0.5).astype(jnp.int32)
     shape = x.shape
     neg_s = jnp.broadcast_to((0.0 - jnp.minimum(s, _F32_MAX))[:, None], shape)
     [code] = pltriton.elementwise_inline_asm(
-        _div_by_row_ptx("q") + "\n add.rn.f32 q, q, 0f3F000000;\n cvt.rmi.s32.f32 $0, q; }",
+        "{ .reg .f32 q, e;\n"
+        " fma.rn.f32 q, $1, $2, 0f00000000;\n"
+        " fma.rn.f32 e, q, $3, $1;\n"
+        " fma.rn.f32 q, e, $2, q;\n"
+        " fma.rn.f32 e, q, $3, $1;\n"
+        " fma.rn.f32 q, e, $2, q;\n"
+        " add.rn.f32 q, q, 0f3F000000;\n"
+        " cvt.rmi.s32.f32 $0, q; }",
         args=[x, jnp.broadcast_to(inv_s[:, None], shape), neg_s], constraints="=r,f,f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32)],
     )
