@@ -128,6 +128,30 @@ def test_exp2_in_kernel():
     assert np.all(rel <= bound), (x[:-5][rel > bound][:4], rel[rel > bound][:4])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_biased_nibble_operand_on_every_word(name):
+    """The value decode's PTX nibble pairs (`biased_nibble_operand`, GPU only): every 16-bit word
+    gives its four codes ORed with the bias bits, in element order, bit for bit."""
+    from tq_jax._src.kv_tiles import _BIASED_CODE_BITS
+
+    bias_bits, _ = _BIASED_CODE_BITS[name]
+    dtype = jnp.dtype(name)
+    words = np.random.default_rng(4).permutation(1 << 16).astype(np.int32).reshape(1024, 64)
+
+    def kernel(w_ref, o_ref):
+        o_ref[...] = km.biased_nibble_operand(w_ref[...], dtype, bias_bits)
+
+    got = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((1024, 256), dtype), grid=(1024 // 16,),
+        in_specs=[pl.BlockSpec((16, 64), lambda i: (i, 0))], out_specs=pl.BlockSpec((16, 256), lambda i: (i, 0)),
+        **pallas_kwargs(interpret=None, name="kernel_math_probe", num_warps=4),
+    )(jnp.asarray(words))
+    codes = (words[:, :, None] >> (4 * np.arange(4))) & 0xF  # element 4i + j: field j of word i
+    want = (codes | bias_bits).astype(np.uint16).reshape(1024, 256)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want)
+
+
 def _in_kernel_2d(fn, x, out_shape, out_dtype):
     """``fn(x)`` for a small 2-D int32 array inside one Pallas program (interpret mode on CPU)."""
 

@@ -112,22 +112,21 @@ class CacheWords:
         """uint8 ``[BN, width]``: bytes ``byte0 + j`` of the slots ``(blk, off, head)``.
 
         Lanes ``j >= count`` and keys with ``mask [BN]`` False read nothing and
-        come back 0. ``byte0`` and ``count`` are even (fields are whole words).
+        come back 0 (``mask=None``: every key reads, so every address must be inside the
+        cache). ``byte0`` and ``count`` are even (fields are whole words).
         On the uint8 view the lanes read consecutive bytes of one slot, so
         Triton issues loads as wide as the slot alignment it can prove (2 bytes
         for 134/102/118-byte slots, 4 for 196, 16 for 512) and a warp reads
         contiguous memory; each byte is read once.
         """
-        blk2, off2, m = blk[:, None], off[:, None], mask[:, None]
+        blk2, off2 = blk[:, None], off[:, None]
         if not self.word_view:
             j = lax.broadcasted_iota(jnp.int32, (1, width), 1)
-            if count < width:
-                m = m & (j < count)
-            return pltriton.load(ref.at[blk2, off2, head, byte0 + j], mask=m, other=0)
+            m = _and_masks(mask, j < count if count < width else None)
+            return _load(ref, (blk2, off2, head, byte0 + j), m)
         w = lax.broadcasted_iota(jnp.int32, (1, width // 2), 1)
-        if count < width:
-            m = m & (w < count // 2)
-        words = pltriton.load(ref.at[blk2, off2, head, byte0 // 2 + w], mask=m, other=0).astype(jnp.int32)
+        m = _and_masks(mask, w < count // 2 if count < width else None)
+        words = _load(ref, (blk2, off2, head, byte0 // 2 + w), m).astype(jnp.int32)
         return km.words_to_bytes(words).astype(jnp.uint8)
 
     def load_words(self, ref, blk, off, head, byte0: int, width: int, count: int, mask):
@@ -138,9 +137,8 @@ class CacheWords:
         """
         if self.word_view:
             w = lax.broadcasted_iota(jnp.int32, (1, width), 1)
-            m = mask[:, None] & (w < count) if count < width else mask[:, None]
-            return pltriton.load(ref.at[blk[:, None], off[:, None], head, byte0 // 2 + w], mask=m,
-                                 other=0).astype(jnp.int32)
+            m = _and_masks(mask, w < count if count < width else None)
+            return _load(ref, (blk[:, None], off[:, None], head, byte0 // 2 + w), m).astype(jnp.int32)
         return km.bytes_to_words(self.load_bytes(ref, blk, off, head, byte0, 2 * width, 2 * count, mask))
 
     def load_byte_planes(self, ref, blk, off, head, byte0: int, groups: int, count: int, mask):
@@ -150,24 +148,23 @@ class CacheWords:
         reads, but a warp still covers a slot's contiguous bytes. Groups
         ``g >= count`` and keys with `mask` False read nothing (0).
         """
-        blk2, off2, m = blk[:, None], off[:, None], mask[:, None]
+        blk2, off2 = blk[:, None], off[:, None]
         g = lax.broadcasted_iota(jnp.int32, (1, groups), 1)
-        if count < groups:
-            m = m & (g < count)
+        m = _and_masks(mask, g < count if count < groups else None)
         planes = []
         for i in range(3):
             byte = byte0 + 3 * g + i
             if not self.word_view:
-                planes.append(pltriton.load(ref.at[blk2, off2, head, byte], mask=m, other=0))
+                planes.append(_load(ref, (blk2, off2, head, byte), m))
             else:
-                w = pltriton.load(ref.at[blk2, off2, head, byte >> 1], mask=m, other=0).astype(jnp.int32)
+                w = _load(ref, (blk2, off2, head, byte >> 1), m).astype(jnp.int32)
                 planes.append((lax.shift_right_logical(w, (byte & 1) * 8) & 0xFF).astype(jnp.uint8))
         return tuple(planes)
 
     def load_half(self, ref, blk, off, head, byte: int, mask):
         """int32 ``[BN]``: the 16-bit field at (even) `byte` of each slot; 0 where `mask` is False."""
         if self.word_view:
-            return pltriton.load(ref.at[blk, off, head, byte // 2], mask=mask, other=0).astype(jnp.int32)
+            return _load(ref, (blk, off, head, byte // 2), mask).astype(jnp.int32)
         pair = self.load_bytes(ref, blk, off, head, byte, 2, 2, mask)  # one 2-byte load per key
         return km.bytes_to_words(pair).reshape(blk.shape)
 
@@ -184,6 +181,21 @@ class CacheWords:
             return
         _store(ref, (blk, off, head, 2 * word), (value & 0xFF).astype(jnp.uint8), mask)
         _store(ref, (blk, off, head, 2 * word + 1), ((value >> 8) & 0xFF).astype(jnp.uint8), mask)
+
+
+def _and_masks(key_mask, lane_mask):
+    """``key_mask [BN]`` (or None: every key) as ``[BN, 1]``, ANDed with ``lane_mask [1, W]`` (or None)."""
+    if key_mask is None:
+        return lane_mask
+    return key_mask[:, None] if lane_mask is None else key_mask[:, None] & lane_mask
+
+
+def _load(ref, idx, mask):
+    """``ref[idx]``; elements where `mask` is False read nothing and come back 0 (None: all read).
+    An unmasked load is one plain load per register: no zeroing before it, no merge after it."""
+    if mask is None:
+        return pltriton.load(ref.at[idx])
+    return pltriton.load(ref.at[idx], mask=mask, other=0)
 
 
 def _store(ref, idx, value, mask):

@@ -243,6 +243,32 @@ def codes_from_byte_planes(a, b, c):
     return interleave_fields([x & 7 for x in unmasked_fields(group_words(a, b, c), 3, 8)])
 
 
+# 4-bit codes -> 16-bit ``BITS | code`` pairs, two 32-bit registers per 16-bit word (elements
+# 4i .. 4i+3 of word i): each pair is the word's two nibbles moved into place by one shift, masked
+# and ORed with the bias bits (tq_torch's ``_NIBBLE_PAIRS``).
+_NIBBLE_PAIRS = (
+    "{ .reg .b32 t; shl.b32 t, $2, 12; or.b32 t, t, $2; and.b32 t, t, 0x000F000F; or.b32 $0, t, BIAS; "
+    "shr.b32 t, $2, 8; shl.b32 $1, $2, 4; or.b32 t, t, $1; and.b32 t, t, 0x000F000F; or.b32 $1, t, BIAS; }")
+
+
+def biased_nibble_operand(words, dtype, bias_bits: int):
+    """GPU only. int32 16-bit words ``[..., W]`` of 4-bit codes -> `dtype` ``[..., 4W]`` (bfloat16 or
+    float16) whose element ``4i + j`` has the bits ``bias_bits | code_j(word i)``.
+
+    What ``codes_from_words(words, 4) | bias_bits`` read as `dtype` gives, two elements per
+    instruction group instead of a shift, mask and permute per element. Each word is repeated
+    four times (joins: no data moves) so that one asm pack of four elements reads it.
+    """
+    *lead, w = words.shape
+    w2 = jnp.stack([words, words], axis=-1).reshape(*lead, 2 * w)  # (Pallas' Triton stack takes two)
+    w4 = jnp.stack([w2, w2], axis=-1).reshape(*lead, 4 * w)
+    asm = _NIBBLE_PAIRS.replace("BIAS", hex(bias_bits * 0x10001))
+    [x] = pltriton.elementwise_inline_asm(
+        asm, args=[w4], constraints="=r,=r,r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w4.shape, dtype)])
+    return x
+
+
 def fp8_bytes_to_float(x, dtype):
     """fp8 e4m3fn bytes (uint8) -> `dtype` through a same-width bitcast and a hardware convert.
 

@@ -92,6 +92,9 @@ class RawTile(NamedTuple):
     value_zero: object
 
 
+_MAX_SCALAR_PAGES = 4  # `load_block_ids`: pages per tile read as scalars (more: one gather)
+
+
 def load_block_ids(spec: TileSpec, bt_ref, b, start, k_hi):
     """Block ids ``[BN]`` int32 of key positions ``start + arange(BN)`` of sequence `b`; -1 past `k_hi`.
 
@@ -110,6 +113,16 @@ def load_block_ids(spec: TileSpec, bt_ref, b, start, k_hi):
     if page % bn == 0:
         col = jnp.minimum(km.div_nonneg(start, page), spec.max_blocks - 1)
         blk = pltriton.load(bt_ref.at[b, col], mask=start < k_hi, other=-1)
+    elif bn % page == 0 and bn // page <= _MAX_SCALAR_PAGES:
+        # One scalar load per page, selected per key: a [BN] gather would be issued once per
+        # layout the ids are used in and per key a thread holds.
+        in_tile = km.div_nonneg(lane, page)
+        col0 = km.div_nonneg(start, page)
+        blk = jnp.full((bn,), -1, jnp.int32)
+        for j in range(bn // page):
+            col = jnp.minimum(col0 + j, spec.max_blocks - 1)
+            blk_j = pltriton.load(bt_ref.at[b, col], mask=start + j * page < k_hi, other=-1)
+            blk = jnp.where(in_tile == j, blk_j, blk)
     elif bn % page == 0:
         in_tile = km.div_nonneg(lane, page)
         col = jnp.minimum(km.div_nonneg(start, page) + in_tile, spec.max_blocks - 1)
@@ -141,7 +154,11 @@ def in_page_offsets(spec: TileSpec, start):
 
 def fetch_kv_tile(spec: TileSpec, cache_ref, blk, start, kv_head, valid) -> RawTile:
     """Issues every load of the K/V tile of positions ``start + arange(BN)`` (block ids `blk`, keys
-    with `valid` False read nothing); nothing is decoded, so the loads stay in flight."""
+    with `valid` False read nothing); nothing is decoded, so the loads stay in flight.
+
+    ``valid=None``: every key reads (every id in `blk` must name a page of the cache); the
+    loads are then plain loads, without the zeroing and merge a masked 16-bit load costs.
+    """
     lay, acc = spec.lay, spec.access
     p = lay.preset
     d, dp = spec.head_dim, spec.head_dim_padded
@@ -353,16 +370,24 @@ def decode_value_tile(spec: TileSpec, raw: RawTile):
     cdt = spec.compute_dtype
     if p.value_format == "raw":
         return km.half_words_to_float(km.bytes_to_words(raw.value[0]), p.raw_dtype, cdt), None, None, 0.0
-    codes = _codes(raw.value, p.value_bits)
     name = jnp.dtype(cdt).name
+    if p.value_bits == 4 and name in _BIASED_CODE_BITS and spec.use_ptx:
+        bits, bias = _BIASED_CODE_BITS[name]
+        v = km.biased_nibble_operand(raw.value[0], cdt, bits)
+        return v, *_value_scale_zero(raw), bias
+    codes = _codes(raw.value, p.value_bits)
     if name in _BIASED_CODE_BITS:
         bits, bias = _BIASED_CODE_BITS[name]
         v = km.half_words_to_float(codes | bits, name, cdt)
     else:
         v, bias = codes.astype(cdt), 0.0
-    scale = km.half_words_to_float(raw.value_scale, "float16", jnp.float32)
-    zero = km.half_words_to_float(raw.value_zero, "float16", jnp.float32)
-    return v, scale, zero, bias
+    return v, *_value_scale_zero(raw), bias
+
+
+def _value_scale_zero(raw: RawTile):
+    """The fp16 value scale and zero ``[BN]`` of a uniform value tile, as float32."""
+    return (km.half_words_to_float(raw.value_scale, "float16", jnp.float32),
+            km.half_words_to_float(raw.value_zero, "float16", jnp.float32))
 
 
 def _dot(a, b, contract_b: int, compute_dtype):
@@ -460,7 +485,16 @@ def attend_key_range(spec: TileSpec, q, state, pos, row_valid, k_first, k_lo, k_
         blk = block_ids(start)
         return blk if window is None else jnp.where(start + lane >= k_first, blk, -1)
 
+    # When every tile is masked (scores by `jnp.where` on the visibility, P and the value
+    # scale/zero terms too) and values are quantized, a key that is not visible may read any
+    # page: keys with no block id read page 0 (inside the cache) and their loads need no mask.
+    # Raw values stay masked (a plain dot would meet their garbage as 0 * NaN), and so do the
+    # loads of the three-loop form, whose unmasked tiles rely on masked keys reading zeros.
+    any_page = not unmasked_tiles and spec.lay.preset.value_format != "raw" and spec.num_blocks > 0
+
     def fetch(blk, start):
+        if any_page:
+            return fetch_kv_tile(spec, cache_ref, jnp.maximum(blk, 0), start, kv_head, None)
         return fetch_kv_tile(spec, cache_ref, blk, start, kv_head, blk >= 0)
 
     def compute(start, blk, raw, m, l, acc, masked: bool):
