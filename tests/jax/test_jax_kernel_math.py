@@ -144,7 +144,8 @@ def test_biased_nibble_operand_on_every_word(name):
 
     got = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((1024, 256), dtype), grid=(1024 // 16,),
-        in_specs=[pl.BlockSpec((16, 64), lambda i: (i, 0))], out_specs=pl.BlockSpec((16, 256), lambda i: (i, 0)),
+        in_specs=[pl.BlockSpec((16, 64), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((16, 256), lambda i: (i, 0)),
         **pallas_kwargs(interpret=None, name="kernel_math_probe", num_warps=4),
     )(jnp.asarray(words))
     codes = (words[:, :, None] >> (4 * np.arange(4))) & 0xF  # element 4i + j: field j of word i

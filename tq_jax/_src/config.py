@@ -55,7 +55,10 @@ _TILES_D128 = {
         # SM within 1 % of 12).
         # `tall`: tiles of more than 16 rows (GQA groups over 16; `decode_tiles`) keep the uncapped
         # setting.
-        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=False, max_registers=128,
+        # 4-bit keys take the prefetch again since the split-KV loop's K/V loads are unmasked
+        # (`kv_tiles.attend_key_range`): one call (us), B=32 x 8k 433 without / 406 with, GQA 8 230 / 221,
+        # GQA 1 428 / 434; uncapped at 6 per SM 465 (3-bit keys not measured: they keep it off).
+        "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=True, max_registers=128,
                      tall=dict(max_registers=None, programs_per_sm=5)),
         "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=False, max_registers=128,
                      tall=dict(max_registers=None, programs_per_sm=5)),
@@ -123,8 +126,10 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
             # SM, a fifth fewer warp instructions per key), 4 warps x 16 keys 590 us. tq_torch's
             # table picks 4 x 32 there too. Without the prefetch and with splits for 3 programs
             # per SM, one call, a b a b: 516 / 495 / 515 / 491 us (without the prefetch at 4
-            # programs per SM: 573).
-            tiles.update(num_warps=4, prefetch=False, programs_per_sm=3)
+            # programs per SM: 573). Since the split-KV loop's K/V loads are unmasked
+            # (`kv_tiles.attend_key_range`) the prefetch wins: one call, 3 per SM, 469 us without
+            # it, 409 with it (without it at 4 per SM 571, at 2 per SM 634).
+            tiles.update(num_warps=4, prefetch=True, programs_per_sm=3)
     tiles.update(TUNING_OVERRIDES.get(path, {}))
     return tiles
 
