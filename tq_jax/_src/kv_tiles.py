@@ -23,7 +23,11 @@ Conventions:
   (`load_block_ids`, `in_page_offsets`).
 * Loads of keys outside ``[k_first, k_hi)``, and of keys whose block id is
   outside ``[0, N)``, are masked: pages the sequence does not own are never
-  touched and those keys read as 0 and are not visible. Scores of keys a row
+  touched and those keys read as 0 and are not visible. The exception is a key
+  loop whose tiles are all masked (the split-KV decode) with quantized values:
+  there such keys read page 0 of the cache, with plain unmasked loads, and the
+  selects on the visibility keep what they read out of every row
+  (`attend_key_range`). Scores of keys a row
   may not see become -inf with `jnp.where` (not a multiply), values enter
   ``P @ V`` as ``(P * scale) @ codes + P @ zero`` with ``P`` zeroed by
   `jnp.where` on the visibility, so NaN/Inf garbage cannot reach a row that
