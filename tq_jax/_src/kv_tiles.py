@@ -375,23 +375,17 @@ def decode_value_tile(spec: TileSpec, raw: RawTile):
     if p.value_format == "raw":
         return km.half_words_to_float(km.bytes_to_words(raw.value[0]), p.raw_dtype, cdt), None, None, 0.0
     name = jnp.dtype(cdt).name
-    if p.value_bits == 4 and name in _BIASED_CODE_BITS and spec.use_ptx:
+    if name not in _BIASED_CODE_BITS:
+        v, bias = _codes(raw.value, p.value_bits).astype(cdt), 0.0
+    elif p.value_bits == 4 and spec.use_ptx:  # two elements per few instructions, straight from the words
         bits, bias = _BIASED_CODE_BITS[name]
         v = km.biased_nibble_operand(raw.value[0], cdt, bits)
-        return v, *_value_scale_zero(raw), bias
-    codes = _codes(raw.value, p.value_bits)
-    if name in _BIASED_CODE_BITS:
-        bits, bias = _BIASED_CODE_BITS[name]
-        v = km.half_words_to_float(codes | bits, name, cdt)
     else:
-        v, bias = codes.astype(cdt), 0.0
-    return v, *_value_scale_zero(raw), bias
-
-
-def _value_scale_zero(raw: RawTile):
-    """The fp16 value scale and zero ``[BN]`` of a uniform value tile, as float32."""
-    return (km.half_words_to_float(raw.value_scale, "float16", jnp.float32),
-            km.half_words_to_float(raw.value_zero, "float16", jnp.float32))
+        bits, bias = _BIASED_CODE_BITS[name]
+        v = km.half_words_to_float(_codes(raw.value, p.value_bits) | bits, name, cdt)
+    scale = km.half_words_to_float(raw.value_scale, "float16", jnp.float32)
+    zero = km.half_words_to_float(raw.value_zero, "float16", jnp.float32)
+    return v, scale, zero, bias
 
 
 def _dot(a, b, contract_b: int, compute_dtype):
