@@ -180,8 +180,9 @@ def test_nan_in_a_visible_slot_propagates(path, field):
 _GUARD_PATHS = ("decode", "extend")
 
 
-def _guard_case():
-    return _case(6, seq_lens=(9, 5, 6), q_lens=(3, 1, 1), sinks=True, sliding_window=7, logits_soft_cap=30.0)
+def _guard_case(preset="turboquant_4bit_nc"):
+    return _case(6, preset=preset, seq_lens=(9, 5, 6), q_lens=(3, 1, 1), sinks=True, sliding_window=7,
+                 logits_soft_cap=30.0)
 
 
 def _run_raw(case, path, **replace):
@@ -193,10 +194,34 @@ def _rows(case, seq):
     return slice(int(case.query_start_loc[seq]), int(case.query_start_loc[seq + 1]))
 
 
+def _garbage_block_zero(case):
+    """`case` with a block of 0xFF bytes (NaN scale, zero and norm bits) put in front as block 0.
+
+    Keys without a block id may read block 0 (`kv_tiles.attend_key_range`'s ``any_page``): what
+    they read must still reach no row.
+    """
+    cache, table = case.kv_cache, case.block_table
+    table = np.where((table >= 0) & (table < cache.shape[0]), table + 1, table).astype(table.dtype)
+    return dataclasses.replace(case, kv_cache=np.concatenate([np.full_like(cache[:1], 0xFF), cache]),
+                               block_table=table)
+
+
+def _long_case(preset):
+    """Long enough for whole key tiles every row sees (tq_torch's loop without visibility checks)."""
+    return _case(7, preset=preset, seq_lens=(40, 37, 45), q_lens=(1, 1, 2))
+
+
+def test_garbage_block_zero_keeps_the_outputs():
+    """The helper moves every page, not the data a query sees."""
+    case = _guard_case()
+    for path in _GUARD_PATHS:
+        np.testing.assert_array_equal(_run_raw(_garbage_block_zero(case), path), _run_raw(case, path))
+
+
 @pytest.mark.parametrize("path", _GUARD_PATHS)
 @pytest.mark.parametrize("bad_id", [-5, 2**31 - 1, 10**6])
 def test_block_ids_out_of_range_mask_their_keys(path, bad_id):
-    case = _guard_case()
+    case = _garbage_block_zero(_guard_case())
     clean = _run_raw(case, path)
     table = case.block_table.copy()
     table[1] = bad_id
@@ -207,8 +232,10 @@ def test_block_ids_out_of_range_mask_their_keys(path, bad_id):
 
 
 @pytest.mark.parametrize("path", _GUARD_PATHS)
-def test_one_bad_block_id_masks_only_that_page(path):
-    case = _guard_case()
+@pytest.mark.parametrize("which", ["guard", "long"])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_one_bad_block_id_masks_only_that_page(path, which, preset):
+    case = _garbage_block_zero(_guard_case(preset) if which == "guard" else _long_case(preset))
     clean = _run_raw(case, path)
     table = case.block_table.copy()
     table[0, 1] = 10**6  # positions 4..7 of sequence 0

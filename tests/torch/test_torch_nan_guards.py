@@ -21,7 +21,7 @@ import torch
 import tq_spec
 import tq_torch
 from tq_torch._src.api import _paged_attention
-from tq_torch_testlib import AttnCase, build, check_against_reference
+from tq_torch_testlib import GARBAGE_UNUSED, AttnCase, build, check_against_reference
 
 
 CASE = AttnCase("nan_guards", seq_lens=(9, 5, 6), q_lens=(3, 1, 1), num_q_heads=4, num_kv_heads=2,
@@ -88,12 +88,32 @@ def _rows_of(built, seq):
     return slice(int(qsl[seq]), int(qsl[seq + 1]))
 
 
+def _garbage_block_zero(built):
+    """`built` with a block of 0xFF bytes (NaN scale, zero and norm bits) put in front as block 0.
+
+    Keys without a block id may read block 0 (`attention_kernel.any_page`, the hand-pipelined
+    tiles the interpreter runs): what they read must still reach no row.
+    """
+    cache = built.kv_cache
+    garbage = torch.full_like(cache[:1], GARBAGE_UNUSED)
+    table = built.block_table
+    table = torch.where((table >= 0) & (table < cache.shape[0]), table + 1, table)
+    return dataclasses.replace(built, kv_cache=torch.cat([garbage, cache]), block_table=table)
+
+
+def test_garbage_block_zero_keeps_the_outputs():
+    """The helper moves every page, not the data a query sees."""
+    built = build(CASE, "turboquant_4bit_nc")
+    for path in PATHS:
+        assert torch.equal(run_path(_garbage_block_zero(built), path), run_path(built, path))
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bad_id", [-5, 2**31 - 1, 10**6])
 def test_block_ids_out_of_range_mask_their_keys(path, bad_id):
     """Sequence 1's pages all name a block outside the cache: its rows see no key (sinks only), and
-    the other sequences' rows are bitwise unchanged."""
-    built = build(CASE, "turboquant_4bit_nc")
+    the other sequences' rows are bitwise unchanged (block 0 holds NaN-decoding bytes)."""
+    built = _garbage_block_zero(build(CASE, "turboquant_4bit_nc"))
     clean = run_path(built, path)
     table = built.block_table.clone()
     table[1] = bad_id
@@ -104,11 +124,19 @@ def test_block_ids_out_of_range_mask_their_keys(path, bad_id):
     assert torch.equal(out[_rows_of(built, 1)], torch.zeros_like(out[_rows_of(built, 1)]))
 
 
+# Long enough for whole key tiles every row sees (the loop without visibility checks).
+LONG_CASE = AttnCase("long", seq_lens=(40, 37, 45), q_lens=(1, 1, 2), num_q_heads=4, num_kv_heads=2,
+                     head_dim=64, page=4)
+
+
 @pytest.mark.parametrize("path", PATHS)
-def test_one_bad_block_id_masks_only_that_page(path):
+@pytest.mark.parametrize("case", [CASE, LONG_CASE], ids=str)
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_one_bad_block_id_masks_only_that_page(path, case, preset):
     """One page id out of range in the middle of a sequence: its rows change but stay finite (the
-    reference has no way to express a masked page), the other sequences are unchanged."""
-    built = build(CASE, "turboquant_4bit_nc")
+    reference has no way to express a masked page), the other sequences are unchanged (block 0
+    holds NaN-decoding bytes)."""
+    built = _garbage_block_zero(build(case, preset))
     clean = run_path(built, path)
     table = built.block_table.clone()
     table[0, 1] = 10**6  # positions 4..7 of sequence 0

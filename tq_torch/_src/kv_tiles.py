@@ -18,8 +18,10 @@ Conventions (both kernels):
 * Scores live in the log2 domain (``s * log2(e)``) so the softmax uses exp2;
   ``m`` (running max) is -inf until a row sees a key, guarded so -inf - -inf
   never produces NaN.
-* Loads of keys outside ``[k_lo, k_hi)`` are masked (pages the sequence does
-  not own are never touched); values enter P @ V through ``P * scale`` and
+* Loads of keys outside ``[k_lo, k_hi)`` are masked, or, with ``ANY_PAGE``
+  (`attention_kernel.any_page`), read page 0 of the cache unpredicated and are
+  kept out of every row by selects (no load ever leaves the cache); values
+  enter P @ V through ``P * scale`` and
   ``P @ zero`` with P zeroed where a key is not visible, so garbage (NaN/Inf)
   scales or zeros of masked keys cannot reach the output as ``0 * NaN``; raw
   values of keys that some rows of a tile may not see go through
@@ -35,24 +37,37 @@ from .kernel_math import (biased_code_operand, biased_nibble_operand, dot, dot_o
                           table_lookup_with_squares, tanh_f32)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
+MAX_SCALAR_PAGES = tl.constexpr(4)  # `load_block_ids`: pages per tile read as scalars (more: one gather)
 
 
 @triton.jit
 def load_block_ids(bt_ptr, bt_row, start, k_hi, num_blocks, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Block ids ``[BLOCK_N]`` int32 of key positions ``start + arange(BLOCK_N)``; -1 past ``k_hi``.
+    """Block ids ``[BLOCK_N]`` int32 of the pages of key positions ``start + arange(BLOCK_N)``.
 
     ``start`` is a multiple of ``BLOCK_N`` (`attend_key_range` aligns its tiles). When one of
     ``BLOCK_N`` and ``PAGE_SIZE`` divides the other, a tile is inside one page or covers whole
     pages, and the block table is read once per page: one uniform load, or loads that share
     address and mask within a page (so they are one), not one per key. A block id outside
-    ``[0, num_blocks)`` (bad metadata) also comes back as -1: the caller masks that key, so no
-    load leaves the cache.
+    ``[0, num_blocks)`` (bad metadata), or of a page that starts at or past ``k_hi``, comes
+    back as -1: the caller masks that key, so no load leaves the cache. Keys past ``k_hi`` in
+    an earlier page keep its id (a per-page value: the slot addresses are computed per page):
+    the caller checks ``keys < k_hi`` (`_tile_keys_valid`).
     """
     lane = tl.arange(0, BLOCK_N)
     # The page size is a constexpr (one compile per page size): a division by a runtime value
     # costs ~20 integer instructions.
     if PAGE_SIZE % BLOCK_N == 0:
-        blk = tl.load(bt_ptr + bt_row + start // PAGE_SIZE, mask=start < k_hi, other=-1)
+        # (Splat to [BLOCK_N]: the interpreter's `&` of a scalar and a vector mask gives int32.)
+        blk = tl.load(bt_ptr + bt_row + start // PAGE_SIZE, mask=start < k_hi, other=-1) + tl.zeros_like(lane)
+    elif BLOCK_N % PAGE_SIZE == 0 and BLOCK_N // PAGE_SIZE <= MAX_SCALAR_PAGES:
+        # One scalar load per page, selected per key: a [BN] gather is issued once per key a
+        # thread holds, each with its own address and predicate.
+        in_tile = lane // PAGE_SIZE
+        col0 = start // PAGE_SIZE
+        blk = tl.full([BLOCK_N], -1, tl.int32)
+        for j in tl.static_range(BLOCK_N // PAGE_SIZE):
+            blk_j = tl.load(bt_ptr + bt_row + col0 + j, mask=start + j * PAGE_SIZE < k_hi, other=-1)
+            blk = tl.where(in_tile == j, blk_j, blk)
     elif BLOCK_N % PAGE_SIZE == 0:
         in_tile = lane // PAGE_SIZE
         blk = tl.load(bt_ptr + bt_row + (start // PAGE_SIZE + in_tile), mask=start + in_tile * PAGE_SIZE < k_hi,
@@ -61,21 +76,27 @@ def load_block_ids(bt_ptr, bt_row, start, k_hi, num_blocks, PAGE_SIZE: tl.conste
         # Unsigned (keys >= 0): a signed division needs a rounding fix-up per key.
         keys = start + lane
         blk = tl.load(bt_ptr + bt_row + (keys.to(tl.uint32) // PAGE_SIZE).to(tl.int32), mask=keys < k_hi, other=-1)
-    blk = tl.where((blk >= 0) & (blk < num_blocks), blk, -1)
-    return tl.where(start + lane < k_hi, blk, -1)
+    return tl.where((blk >= 0) & (blk < num_blocks), blk, -1)
 
 
 @triton.jit
-def slot_word_offsets(blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """int64 offset in 16-bit words of the slot of each key ``start + arange(BLOCK_N)`` (block ids ``blk``).
+def _tile_keys_valid(blk, start, k_hi, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N]`` bool: key ``start + j`` is below ``k_hi`` and its page has a block id (`load_block_ids`)."""
+    return (blk >= 0) & (start + tl.arange(0, BLOCK_N) < k_hi)
+
+
+@triton.jit
+def slot_pointers(cache_i16, blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Pointers ``[BLOCK_N]`` (16-bit words) to the slot of each key ``start + arange(BLOCK_N)`` (block ids ``blk``).
 
     ``start`` is a multiple of ``BLOCK_N``, so when one of ``BLOCK_N`` and ``PAGE_SIZE``
     divides the other a key's place in its page is ``lane % PAGE_SIZE`` (loop-invariant) or
     ``start % PAGE_SIZE + lane``. ``stride_*``: the cache's byte strides, all even (slots are
     2-byte aligned). Halving the strides once per program, rather than each key's byte offset,
-    saves a signed int64 division per key and field. A masked key (``blk`` -1) gets an offset
-    that is never read.
+    saves a signed int64 division per key and field. A masked key (``blk`` -1) gets an address
+    that is never read. The page's base is a function of the block id alone, so keys of one
+    page share it; each key then adds its loop-invariant place in the page.
     """
     lane = tl.arange(0, BLOCK_N)
     if PAGE_SIZE % BLOCK_N == 0:
@@ -86,8 +107,8 @@ def slot_word_offsets(blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE
         in_page = ((start + lane).to(tl.uint32) % PAGE_SIZE).to(tl.int32)
     # Zero-extended: -1 becomes a large offset, never dereferenced, and a 32 x 64-bit product
     # needs no sign fix-up.
-    return (blk.to(tl.uint32).to(tl.int64) * (stride_cn >> 1) + in_page.to(tl.int64) * (stride_cp >> 1)
-            + kv_head * (stride_ch >> 1))
+    page = cache_i16 + blk.to(tl.uint32).to(tl.int64) * (stride_cn >> 1)
+    return page + (in_page.to(tl.int64) * (stride_cp >> 1) + kv_head * (stride_ch >> 1))
 
 
 @triton.jit
@@ -113,11 +134,11 @@ def _interleave_quads(a, b):
 
 
 @triton.jit
-def fetch_field(cache_i16, field_word, key_valid, D: tl.constexpr, D_PAD: tl.constexpr,
-                BITS: tl.constexpr):
+def fetch_field(field_ptr, key_valid, D: tl.constexpr, D_PAD: tl.constexpr,
+                BITS: tl.constexpr, MASK_KEYS: tl.constexpr = True):
     """Issues the loads of one packed field of ``BN`` keys; returns the raw words ``(a, b, c)``.
 
-    ``field_word [BN]``: offsets in 16-bit words. ``BITS`` 16 (raw fp16/bf16
+    ``field_ptr [BN]``: each key's field (16-bit words). ``BITS`` 16 (raw fp16/bf16
     elements), 8 (fp8) or 4: 16-bit words ``a [BN, D_PAD * BITS / 16]`` (``b``,
     ``c`` alias ``a``). ``BITS`` 3: two 8-code groups per 3 words, so the three
     words of each pair of groups, ``[BN, D_PAD / 16]`` each (when ``D / 8`` is
@@ -125,25 +146,44 @@ def fetch_field(cache_i16, field_word, key_valid, D: tl.constexpr, D_PAD: tl.con
     start on even bytes and slots are a whole number of words). Nothing here
     uses the loaded values, so the loads stay in flight until `decode_field`.
     ``D`` is a multiple of 8, so every field but a 3-bit one is a whole number
-    of words.
+    of words. ``MASK_KEYS`` False: every key is loaded, ``key_valid`` or not
+    (``field_ptr`` must then point inside the cache for every key).
     """
     if BITS == 3:
         # Three words per 16 codes: half the load instructions of three byte planes (one byte
         # per 8 codes each). H100, B=32 x 8k, same call: 3bit_nc decode 587 -> 490 us,
         # k3v4_nc 535 -> 531 us.
         p = tl.arange(0, D_PAD // 16)
-        m = key_valid[:, None] & (p < (D + 8) // 16)[None, :]
-        addr = cache_i16 + field_word[:, None] + (3 * p)[None, :]
-        a = tl.load(addr, mask=m, other=0)
-        b = tl.load(addr + 1, mask=m, other=0)
-        c = tl.load(addr + 2, mask=m & (p < D // 16)[None, :], other=0)
+        addr = field_ptr[:, None] + (3 * p)[None, :]
+        m = (p < (D + 8) // 16)[None, :]
+        m_c = (p < D // 16)[None, :]
+        a = _load_words(addr, key_valid, m, MASK_KEYS, (D + 8) // 16 < D_PAD // 16)
+        b = _load_words(addr + 1, key_valid, m, MASK_KEYS, (D + 8) // 16 < D_PAD // 16)
+        c = _load_words(addr + 2, key_valid, m & m_c, MASK_KEYS, D // 16 < D_PAD // 16)
         return a, b, c
     else:
         NW: tl.constexpr = D_PAD * BITS // 16
         i = tl.arange(0, NW)
-        m = key_valid[:, None] & (i < D * BITS // 16)[None, :]
-        a = tl.load(cache_i16 + field_word[:, None] + i[None, :], mask=m, other=0)
+        a = _load_words(field_ptr[:, None] + i[None, :], key_valid, (i < D * BITS // 16)[None, :], MASK_KEYS,
+                        D * BITS // 16 < NW)
         return a, a, a
+
+
+@triton.jit
+def _load_words(ptrs, key_valid, in_field, MASK_KEYS: tl.constexpr, PADDED: tl.constexpr):
+    """``tl.load(ptrs [BN, W])`` (0 where masked) of the keys ``key_valid [BN]`` (all with
+    ``MASK_KEYS`` False) and the words ``in_field [1, W]`` (all unless ``PADDED``).
+
+    A load that needs no mask gets none: a masked 16-bit load costs a zeroing PRMT before it
+    and a LOP3 after.
+    """
+    # (Masks are built full-size by `&`: the interpreter rejects a broadcast view.)
+    if MASK_KEYS:
+        return tl.load(ptrs, mask=key_valid[:, None] & in_field, other=0)
+    elif PADDED:
+        return tl.load(ptrs, mask=in_field & (tl.zeros(ptrs.shape, tl.int32) == 0), other=0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -188,28 +228,38 @@ def _code(w, SHIFT: tl.constexpr, BITS: tl.constexpr, CLEAN: tl.constexpr):
 
 
 @triton.jit
-def fetch_kv_tile(cache_i16, slot, key_valid,
+def _load_scalar_field(ptrs, key_valid, MASK_KEYS: tl.constexpr):
+    """One 16-bit word per key (``ptrs [BN]``): 0 for keys not ``key_valid`` unless ``MASK_KEYS`` is False."""
+    if MASK_KEYS:
+        return tl.load(ptrs, mask=key_valid, other=0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def fetch_kv_tile(slot, key_valid,
                   D: tl.constexpr, D_PAD: tl.constexpr, KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr,
                   KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
-                  VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr):
-    """Issues every load of a K/V tile (slot offsets ``[BN]`` in 16-bit words); returns the raw words.
+                  VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
+                  MASK_KEYS: tl.constexpr = True):
+    """Issues every load of a K/V tile (slot pointers ``[BN]``, 16-bit words); returns the raw words.
 
-    The ``*_OFF`` byte offsets are even constexprs.
+    The ``*_OFF`` byte offsets are even constexprs. ``MASK_KEYS``: see `fetch_field`.
 
     ``*_FIELD_BITS``: bits per stored element (raw 16, fp8 8, codes 3 or 4).
     """
-    ka, kb, kc = fetch_field(cache_i16, slot, key_valid, D, D_PAD, KEY_FIELD_BITS)
+    ka, kb, kc = fetch_field(slot, key_valid, D, D_PAD, KEY_FIELD_BITS, MASK_KEYS)
     if KEY_FORMAT == 2:
-        knorm = tl.load(cache_i16 + slot + KEY_NORM_OFF // 2, mask=key_valid, other=0)
+        knorm = _load_scalar_field(slot + KEY_NORM_OFF // 2, key_valid, MASK_KEYS)
     else:
         knorm = tl.zeros(key_valid.shape, tl.int16)
-    va, vb, vc = fetch_field(cache_i16, slot + VALUE_OFF // 2, key_valid, D, D_PAD, VALUE_FIELD_BITS)
+    va, vb, vc = fetch_field(slot + VALUE_OFF // 2, key_valid, D, D_PAD, VALUE_FIELD_BITS, MASK_KEYS)
     if VALUE_FORMAT == 0:
         vscale = tl.zeros(key_valid.shape, tl.int16)
         vzero = vscale
     else:
-        vscale = tl.load(cache_i16 + slot + VALUE_SCALE_OFF // 2, mask=key_valid, other=0)
-        vzero = tl.load(cache_i16 + slot + VALUE_ZERO_OFF // 2, mask=key_valid, other=0)
+        vscale = _load_scalar_field(slot + VALUE_SCALE_OFF // 2, key_valid, MASK_KEYS)
+        vzero = _load_scalar_field(slot + VALUE_ZERO_OFF // 2, key_valid, MASK_KEYS)
     return ka, kb, kc, knorm, va, vb, vc, vscale, vzero
 
 
@@ -218,12 +268,19 @@ def _fetch_keys(cache_i16, blk, start, key_valid, kv_head, stride_cn, stride_cp,
                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                 KEY_FORMAT: tl.constexpr, KEY_FIELD_BITS: tl.constexpr, KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr,
                 VALUE_FIELD_BITS: tl.constexpr, VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr,
-                VALUE_ZERO_OFF: tl.constexpr):
-    """`fetch_kv_tile` of key positions ``start + arange(BLOCK_N)`` in pages ``blk`` (block ids, -1 = masked)."""
-    slot = slot_word_offsets(blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE, BLOCK_N)
-    return fetch_kv_tile(cache_i16, slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS,
+                VALUE_ZERO_OFF: tl.constexpr, ANY_PAGE: tl.constexpr):
+    """`fetch_kv_tile` of key positions ``start + arange(BLOCK_N)`` in pages ``blk`` (block ids, -1 = masked).
+
+    ``ANY_PAGE``: masked keys read page 0 (inside the cache: `tiles_spec` sets it only for a
+    cache with blocks) through unpredicated loads; `_key_loop` keeps what they read out of
+    every row.
+    """
+    if ANY_PAGE:
+        blk = tl.maximum(blk, 0)
+    slot = slot_pointers(cache_i16, blk, start, kv_head, stride_cn, stride_cp, stride_ch, PAGE_SIZE, BLOCK_N)
+    return fetch_kv_tile(slot, key_valid, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS,
                          KEY_NORM_OFF, VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF,
-                         VALUE_ZERO_OFF)
+                         VALUE_ZERO_OFF, not ANY_PAGE)
 
 
 @triton.jit
@@ -384,7 +441,7 @@ def _key_loop(
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
     RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    ANY_PAGE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Key tiles starting at ``[start_lo, start_hi)`` (step BLOCK_N) of the online softmax.
 
@@ -400,21 +457,21 @@ def _key_loop(
         if PREFETCH:
             # Tile i+1's words (its block ids arrived during tile i-1) and
             # tile i+2's block ids, all in flight while tile i is computed.
-            valid_n = blk_next >= 0
+            valid_n = _tile_keys_valid(blk_next, start + BLOCK_N, k_hi, BLOCK_N)
             ka_n, kb_n, kc_n, knorm_n, va_n, vb_n, vc_n, vscale_n, vzero_n = _fetch_keys(
                 cache_i16, blk_next, start + BLOCK_N, valid_n, kv_head, stride_cn, stride_cp, stride_ch,
                 PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
-                VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
+                VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, ANY_PAGE)
             blk_next = load_block_ids(bt_ptr, bt_row, start + 2 * BLOCK_N, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
             c_ka, c_kb, c_kc, c_knorm, c_va, c_vb, c_vc, c_vscale, c_vzero = ka, kb, kc, knorm, va, vb, vc, vscale, vzero
             c_valid = key_valid
         else:
             blk = load_block_ids(bt_ptr, bt_row, start, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
-            c_valid = blk >= 0
+            c_valid = _tile_keys_valid(blk, start, k_hi, BLOCK_N)
             c_ka, c_kb, c_kc, c_knorm, c_va, c_vb, c_vc, c_vscale, c_vzero = _fetch_keys(
                 cache_i16, blk, start, c_valid, kv_head, stride_cn, stride_cp, stride_ch,
                 PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
-                VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
+                VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, ANY_PAGE)
 
         if MASKED:
             # Tiles start on a multiple of BLOCK_N: keys before k_first are no row's.
@@ -433,11 +490,14 @@ def _key_loop(
             if window > 0:
                 visible = visible & (keys[None, :] > pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        else:
+        elif ANY_PAGE:
             # Every valid key of these tiles is visible to every row (padding rows' scores are
-            # never stored). A masked key (bad block id) was loaded as zeros, so its score is
-            # finite (or NaN from a NaN query, whose row is NaN anyway) and adding -inf masks it:
-            # one add per score (fused with the scaling), no select.
+            # never stored). A masked key (bad block id) read page 0: its score may be anything.
+            s = tl.where(c_valid[None, :], s, float("-inf"))
+        else:
+            # As above, but a masked key was loaded as zeros, so its score is finite (or NaN
+            # from a NaN query, whose row is NaN anyway) and adding -inf masks it: one add per
+            # score (fused with the scaling), no select.
             s = s + tl.where(c_valid, 0.0, float("-inf"))[None, :]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -458,6 +518,11 @@ def _key_loop(
             # P @ (codes * scale + zero) = (P * scale) @ (codes + bias) + P @ zero - bias * sum(P * scale),
             # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE).
             v, v_bias = _biased_value_operand(c_va, c_vb, c_vc, VALUE_FIELD_BITS, DOT_DTYPE, INTERPRET)
+            if ANY_PAGE and not MASKED:
+                # A masked key's scale and zero came from page 0 (maybe NaN/Inf): zero them, per
+                # key, so that its p = 0 stays 0. (Its codes are finite integers.)
+                c_vscale = tl.where(c_valid, c_vscale, 0)
+                c_vzero = tl.where(c_valid, c_vzero, 0)
             v_scale = _fp16_bits_to_f32(c_vscale)
             v_zero = _fp16_bits_to_f32(c_vzero)
             p_scale = p * v_scale[None, :]
@@ -490,7 +555,7 @@ def attend_key_range(
     KEY_NORM_OFF: tl.constexpr, VALUE_FORMAT: tl.constexpr, VALUE_FIELD_BITS: tl.constexpr,
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
     RAW_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    ANY_PAGE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Online softmax of rows ``q [BLOCK_M, D_PAD]`` over keys ``[max(k_first, k_lo), k_hi)`` of one sequence.
 
@@ -522,11 +587,11 @@ def attend_key_range(
     if PREFETCH:
         # Prologue of the hand pipeline: tile 0's words, tile 1's block ids.
         blk = load_block_ids(bt_ptr, bt_row, k_lo, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
-        key_valid = blk >= 0
+        key_valid = _tile_keys_valid(blk, k_lo, k_hi, BLOCK_N)
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero = _fetch_keys(
             cache_i16, blk, k_lo, key_valid, kv_head, stride_cn, stride_cp, stride_ch,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
-            VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
+            VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, ANY_PAGE)
         blk_next = load_block_ids(bt_ptr, bt_row, k_lo + BLOCK_N, k_hi, num_blocks, PAGE_SIZE, BLOCK_N)
     else:
         # Placeholders: without the hand pipeline each tile loads its own words.
@@ -543,7 +608,7 @@ def attend_key_range(
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-        DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
+        DOT_DTYPE, NORM_ROWS, PREFETCH, ANY_PAGE, INTERPRET)
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
         q, acc, m_i, l_i, pos, row_valid, mid_lo, mid_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
@@ -551,7 +616,7 @@ def attend_key_range(
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, False, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-        DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
+        DOT_DTYPE, NORM_ROWS, PREFETCH, ANY_PAGE, INTERPRET)
     acc, m_i, l_i, ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next = _key_loop(
         q, acc, m_i, l_i, pos, row_valid, mid_hi, k_hi, k_first, k_hi,
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero, key_valid, blk_next,
@@ -559,7 +624,7 @@ def attend_key_range(
         stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, square_scale, True, HAS_SOFTCAP,
         PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
         VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-        DOT_DTYPE, NORM_ROWS, PREFETCH, INTERPRET)
+        DOT_DTYPE, NORM_ROWS, PREFETCH, ANY_PAGE, INTERPRET)
     return acc, m_i, l_i
 
 

@@ -60,7 +60,7 @@ def _dequantize_pages_kernel(
         in_page = p < PAGE_SIZE
         slot = (blk.to(tl.int64) * stride_cn + p.to(tl.int64) * stride_cp + head * stride_ch) >> 1  # words
         ka, kb, kc, knorm, va, vb, vc, vscale, vzero = fetch_kv_tile(
-            cache_i16, slot, in_page, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
+            cache_i16 + slot, in_page, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF)
         k, k_factor = decode_key_tile(ka, kb, kc, knorm, cb_ptr, in_page, 1.0, KEY_FORMAT, KEY_FIELD_BITS,
                                       NORM_CORRECTION, RAW_DTYPE, tl.float32, 0, INTERPRET)
