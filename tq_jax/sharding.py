@@ -183,7 +183,7 @@ def _auto_num_splits(lay, query_shape, cache_shape, block_table_shape, *, interp
     b, cols = (int(v) for v in block_table_shape)
     if _config is not None:
         tiles = _config.attention_tiles(_config.padded_head_dim(d), interpret, "decode", _config.key_kind(lay.preset))
-        tiles = _config.decode_tiles(tiles, _config.decode_block_m(hq // hkv))
+        tiles = _config.decode_tiles(tiles, hq // hkv)
         return int(_config.decode_num_splits(
             num_seqs=b, num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, head_dim=d, max_context=cols * page,
             block_n=tiles["block_n"], interpret=interpret, programs_per_sm=tiles["programs_per_sm"]))

@@ -240,12 +240,14 @@ def test_decode_cache_loads_are_vectorized(triton_modules, preset):
         assert not moved_ints, moved_ints[:2]
 
 
-@pytest.mark.parametrize("hq,path,capped", [(8, "decode", True), (64, "decode", False), (8, "extend", False)],
-                         ids=["decode-16-rows", "decode-32-rows", "extend"])
+@pytest.mark.parametrize("hq,path,capped", [(8, "decode", True), (2, "decode", True), (64, "decode", False),
+                                            (8, "extend", False)],
+                         ids=["decode-16-rows", "decode-group-of-one", "decode-32-rows", "extend"])
 def test_register_cap_reaches_the_compiled_kernel(triton_modules, hq, path, capped):
     """The default decode tiles of mse keys at D = 128 ask for 128 registers (`config._TILES_D128`):
     the Pallas module carries ``ttg.maxnreg`` (`platform.pallas_kwargs`) and Triton turns it into the
-    PTX ``.maxnreg`` directive. Tiles of 32 rows (GQA 32, ``tall``) and the extend kernel do not."""
+    PTX ``.maxnreg`` directive (groups of one head, ``solo``: their own cap). Tiles of 32 rows (GQA 32,
+    ``tall``) and the extend kernel do not."""
     from tq_jax._src import config, platform
 
     assert platform.REGISTER_CAP_HOOKED, "the jax version lacks the lowering hook the register cap needs"
@@ -261,7 +263,7 @@ def test_register_cap_reaches_the_compiled_kernel(triton_modules, hq, path, capp
     (module,) = triton_modules
     tiles = config.attention_tiles(128, False, path, config.key_kind(preset))
     if path == "decode":
-        tiles = config.decode_tiles(tiles, config.decode_block_m(hq // hkv))
+        tiles = config.decode_tiles(tiles, hq // hkv)
     assert (tiles["max_registers"] is not None) == capped, tiles
     attrs = re.findall(r'"?ttg\.maxnreg"? = (\d+) : i32', module)
     assert attrs == ([str(tiles["max_registers"])] if capped else []), attrs

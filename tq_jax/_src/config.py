@@ -58,8 +58,15 @@ _TILES_D128 = {
         # 4-bit keys take the prefetch again since the split-KV loop's K/V loads are unmasked
         # (`kv_tiles.attend_key_range`): one call (us), B=32 x 8k 433 without / 406 with, GQA 8 230 / 221,
         # GQA 1 428 / 434; uncapped at 6 per SM 465 (3-bit keys not measured: they keep it off).
+        # `solo`: groups of one query head (`decode_tiles`) spill more under the 128-register cap
+        # (H100 ncu, B=32 x 8k 4bit_nc, GQA 1 against GQA 4: 4.0M local memory requests against
+        # 0.34M, kernel 423 against 393 us). One call (us), GQA 1 / GQA 4: 168 registers at 4 per
+        # SM 416 / 406 (a b a b against the 128-register entry: GQA 1 436 / 415 / 434 / 412, GQA 8
+        # 218 / 222 / 227 / 232, so only groups of one take it), at 6 per SM 425 / 411, at 12 per
+        # SM 433 / 412; uncapped at 5 per SM 488 / 436; without the prefetch 431 / 435.
         "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=True, max_registers=128,
-                     tall=dict(max_registers=None, programs_per_sm=5)),
+                     tall=dict(max_registers=None, programs_per_sm=5),
+                     solo=dict(max_registers=168, programs_per_sm=4)),
         "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=False, max_registers=128,
                      tall=dict(max_registers=None, programs_per_sm=5)),
         "fp8": dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=8, prefetch=True),
@@ -73,7 +80,11 @@ _TILES_D128 = {
         # call, jax rows (ms), 2 / 3 / 1 stages: chunked 1k over 8k 0.902 / 0.851 / 0.899, mixed
         # b16 1.513 / 1.443 / 1.547, prefill 8k 3.002 / 2.924 / 2.876, window 4k 2.518 / 2.481 /
         # 2.358 (a repeat within 1 %; 4 stages as 3; 32 keys: 8-22 % slower).
-        "raw": dict(block_n=64, extend_block_m=128, num_warps=8, num_stages=3, prefetch=False),
+        # 64-row tiles on 4 warps: the 128-row tiles on 8 warps take 255 registers and spill
+        # (H100 ncu, window 4k: 12.9M local memory requests, against 0.6M in tq_torch's kernel of
+        # the same tiles). One call (ms), 128 x 8 / 64 x 4: prefill 8k 2.562 / 2.438, window 4k
+        # 2.145 / 2.052 (128 rows on 4 warps: 3.883 / 2.952; 2 stages 2.560 / 2.136).
+        "raw": dict(block_n=64, extend_block_m=64, num_warps=4, num_stages=3, prefetch=False),
     },
 }
 # `TUNING_OVERRIDES[path]` replaces any setting, for tuning runs only (then
@@ -97,7 +108,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     """Tile settings: keys per tile, extend row-tile height, warps, stages, prefetch, programs per SM,
-    register cap (``max_registers``); decode entries may carry ``tall`` (`decode_tiles`).
+    register cap (``max_registers``); decode entries may carry ``tall`` and ``solo`` (`decode_tiles`).
 
     Head dims above 128 keep smaller key tiles (registers), on 8 warps except 4-bit mse decode
     at D <= 256 (measured), with no register cap; other formats there are not tuned separately.
@@ -111,6 +122,7 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     if d_pad > 128:
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, max_registers=None)
         tiles.pop("tall", None)
+        tiles.pop("solo", None)
         if path == "decode" and kind in ("mse4", "mse3"):
             # mse decode keeps the prefetch and 4 programs per SM on wider heads (not measured
             # for 3-bit keys), except 4-bit keys at D <= 256 below. Without the prefetch D = 256
@@ -134,13 +146,15 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     return tiles
 
 
-def decode_tiles(tiles: dict, block_m: int) -> dict:
-    """The decode path's `attention_tiles` for tiles of ``block_m`` rows: with the entry's
-    ``tall`` settings when ``block_m`` is over 16 (and without the ``tall`` key)."""
-    tall = tiles.get("tall", {})
-    out = {k: v for k, v in tiles.items() if k != "tall"}
-    if block_m > 16:
-        out.update(tall)
+def decode_tiles(tiles: dict, group_size: int) -> dict:
+    """The decode path's `attention_tiles` for GQA groups of ``group_size`` query heads: with the
+    entry's ``tall`` settings when the tile (`decode_block_m`) is over 16 rows and its ``solo``
+    settings when the group is one head (and without those keys)."""
+    out = {k: v for k, v in tiles.items() if k not in ("tall", "solo")}
+    if decode_block_m(group_size) > 16:
+        out.update(tiles.get("tall", {}))
+    if group_size == 1:
+        out.update(tiles.get("solo", {}))
     return out
 
 

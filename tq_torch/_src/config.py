@@ -145,7 +145,12 @@ _TILES_D128 = {
         "mse4": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
         "mse3": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
         "fp8": dict(block_n=32, extend_block_m=128, num_warps=8, num_stages=1, maxnreg=None, prefetch=True),
-        "raw": dict(block_n=64, extend_block_m=128, num_warps=8, num_stages=2, maxnreg=None, prefetch=False),
+        # Raw keys (bf16/fp16 caches, and the dequant path's workspace) on 3 stages, as tq_jax's.
+        # H100, 4bit_nc rows, one call, a b c a b c for 2 / 3 / 4 stages (ms): prefill 8k 2.434 /
+        # 2.245 / 2.324 / 2.435 / 2.246 / 2.321, window 4k 1.935 / 1.796 / 1.851 / 1.935 / 1.799 /
+        # 1.848, chunked 1k over 8k 0.734 / 0.682 / 0.694 / 0.733 / 0.683 / 0.695, mixed b16 1.271 /
+        # 1.189 / 1.206 / 1.273 / 1.188 / 1.206 (128-key tiles: 8 % slower on 2 stages, 40 % on 3).
+        "raw": dict(block_n=64, extend_block_m=128, num_warps=8, num_stages=3, maxnreg=None, prefetch=False),
     },
 }
 # `TUNING_OVERRIDES[path]` replaces any setting, for tuning runs only (then call
@@ -177,6 +182,8 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, maxnreg=None)
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
+            if kind == "raw":
+                tiles["num_stages"] = 2  # 3 stages measured at D <= 128 only
         elif kind == "mse4" and d_pad <= 256:
             # H100, D = 256 4bit_nc decode, B=32 x 8k, same call: 8 warps x 64-key tiles 0.495 ms
             # (Hq 16 / Hkv 4) and 0.967 ms (32 / 8); 4 warps x 32 keys 0.431 and 0.844 ms.
@@ -194,13 +201,15 @@ def attention_tiles(d_pad: int, interpret: bool, path: str = "extend", kind: str
     return tiles
 
 
-def decode_tiles(tiles: dict, block_m: int) -> dict:
-    """The decode path's `attention_tiles` for tiles of ``block_m`` rows: with the entry's
-    ``tall`` settings when ``block_m`` is over 16 (and without the ``tall`` key)."""
-    tall = tiles.get("tall", {})
-    out = {k: v for k, v in tiles.items() if k != "tall"}
-    if block_m > 16:
-        out.update(tall)
+def decode_tiles(tiles: dict, group_size: int) -> dict:
+    """The decode path's `attention_tiles` for GQA groups of ``group_size`` query heads: with the
+    entry's ``tall`` settings when the tile (`decode_block_m`) is over 16 rows and its ``solo``
+    settings when the group is one head (and without those keys; tq_jax's table uses ``solo``)."""
+    out = {k: v for k, v in tiles.items() if k not in ("tall", "solo")}
+    if decode_block_m(group_size) > 16:
+        out.update(tiles.get("tall", {}))
+    if group_size == 1:
+        out.update(tiles.get("solo", {}))
     return out
 
 

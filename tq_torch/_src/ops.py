@@ -87,7 +87,7 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
         n, page, hkv, _ = kv_cache.shape
         num_seqs, max_blocks = block_table.shape
         block_m = config.decode_block_m(hq // hkv)
-        tiles = config.decode_tiles(tiles, block_m)
+        tiles = config.decode_tiles(tiles, hq // hkv)
         splits = num_splits or config.decode_num_splits(
             num_seqs=num_seqs, num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, head_dim=d,
             max_context=max_blocks * page, block_n=tiles["block_n"], device=dev, interpret=interpret,
