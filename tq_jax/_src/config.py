@@ -69,7 +69,12 @@ _TILES_D128 = {
                      solo=dict(max_registers=168, programs_per_sm=4)),
         "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=False, max_registers=128,
                      tall=dict(max_registers=None, programs_per_sm=5)),
-        "fp8": dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=8, prefetch=True),
+        # fp8 keys on 2 warps (tq_torch's run on one). H100, B=32 x 8k k8v4, one call (us): 4 warps
+        # at 8 per SM 436, 2 warps at 16 per SM 355, 1 warp at 34 per SM 402 (32-key tiles 564);
+        # 3-bit keys on 2 warps were slower (k3v4_nc 448 -> 489, 3bit_nc 472 -> 534). `tall` keeps
+        # the 4-warp setting for groups over 16 (not measured on 2 warps).
+        "fp8": dict(block_n=16, num_warps=2, num_stages=1, programs_per_sm=16, prefetch=True,
+                    tall=dict(num_warps=4, programs_per_sm=8)),
         "raw": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=False),
     },
     "extend": {
