@@ -133,6 +133,10 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
             # for 3-bit keys), except 4-bit keys at D <= 256 below. Without the prefetch D = 256
             # 4bit_nc took 573 us against 514 (same call as the D <= 128 entries).
             tiles.update(prefetch=True, programs_per_sm=4)
+        if path == "decode" and kind == "fp8":
+            # The D <= 128 entry's 16 per SM was measured on 2 warps; wider heads run on 8 and
+            # keep the 8 per SM they had with 4.
+            tiles["programs_per_sm"] = 8
         if path == "extend":
             tiles["extend_block_m"] = 64 if d_pad <= 256 else 32
             if kind == "raw":
