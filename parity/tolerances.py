@@ -61,11 +61,17 @@ def to_numpy(x) -> np.ndarray:
 # ----------------------------------------------------------------------------- store
 
 
-def _fp16_ordinal(b: np.ndarray) -> np.ndarray:
-    """Little-endian fp16 bytes [..., 2] -> integers whose difference counts ulps."""
+def _fp16_ordinal(b: np.ndarray, exp_mask: int = 0x7C00) -> np.ndarray:
+    """Little-endian fp16 bytes [..., 2] -> integers whose difference counts ulps.
+
+    Every NaN maps to one ordinal past +Inf: the contract says a field is NaN, not which NaN
+    (numpy's float16 NaN is 0x7E00, the GPU's conversion gives 0x7FFF). Any NaN against a
+    number stays far apart.
+    """
     u = (b[..., 0].astype(np.int32) | (b[..., 1].astype(np.int32) << 8))
     mag = u & 0x7FFF
-    return np.where(u & 0x8000, -mag, mag)
+    ordinal = np.where(u & 0x8000, -mag, mag)
+    return np.where(mag > exp_mask, 0x10000, ordinal)
 
 
 def _fp8_ordinal(b: np.ndarray) -> np.ndarray:
@@ -75,7 +81,7 @@ def _fp8_ordinal(b: np.ndarray) -> np.ndarray:
 
 
 def _bf16_ordinal(b: np.ndarray) -> np.ndarray:
-    return _fp16_ordinal(b)  # same sign-magnitude trick on 16-bit patterns
+    return _fp16_ordinal(b, 0x7F80)  # same sign-magnitude trick on 16-bit patterns
 
 
 def _near_boundary_key(y: np.ndarray, midpoints: np.ndarray) -> np.ndarray:
@@ -166,10 +172,11 @@ def compare_store(leg_cache, key, value, cache_before, slot_mapping, *, preset, 
         return f"token {tokens[i[0]]} head {i[1]}" + (f" element {i[2]}" if len(i) > 2 else "")
 
     if p.key_format == "raw":
+        raw_ordinal = _bf16_ordinal if p.raw_dtype == "bfloat16" else _fp16_ordinal
         for part, off in (("key", lay.key_offset), ("value", lay.value_offset)):
             g = got[..., off : off + 2 * d].reshape(*got.shape[:-1], d, 2)
             w = want[..., off : off + 2 * d].reshape(*want.shape[:-1], d, 2)
-            _compare_ulps(cmp, f"{part}_{p.raw_dtype}", _bf16_ordinal(g), _bf16_ordinal(w), field_ulps, where)
+            _compare_ulps(cmp, f"{part}_{p.raw_dtype}", raw_ordinal(g), raw_ordinal(w), field_ulps, where)
         return cmp
 
     if p.key_format == "fp8":

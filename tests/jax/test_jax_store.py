@@ -309,3 +309,25 @@ def test_store_sign_path_lowers_to_triton(preset, dtype):
         triton_lowering.lower_jaxpr_to_triton_module = original
     (asm,) = modules
     assert "tt.dot" in asm and "scf.for" in asm and "div.rn.f32" in asm and "fma.rn.f32" in asm
+
+
+@pytest.mark.parametrize("preset", tq_spec.PRESET_NAMES)
+def test_store_nonfinite_elements_match_reference(preset):
+    """NaN and +-Inf elements reach the stored fields as in the reference (and tq_torch): a value
+    vector holding a NaN stores NaN scale and zero, Inf gives an Inf range, and a NaN or Inf key
+    gives the reference's norm and codes."""
+    rng = np.random.default_rng(7 + list(tq_spec.PRESET_NAMES).index(preset))
+    d = CPU_HEAD_DIM[preset]
+    t, hkv, n, p = 7, 2, 3, 4
+    lay = tq_spec.layout(preset, d)
+    cache = rng.integers(0, 256, (n, p, hkv, lay.slot_bytes), dtype=np.uint8)
+    key = (rng.standard_normal((t, hkv, d)) * 3).astype(np.float32)
+    value = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    value[0, 0, 5], value[1, 1, 0], value[2, 0, d - 1] = np.nan, np.inf, -np.inf
+    value[3, 1, 2], value[3, 1, 3] = np.inf, -np.inf
+    key[4, 0, 7], key[5, 1, 1], key[6, 0, 0] = np.nan, np.inf, -np.inf
+    slots = rng.permutation(n * p)[:t].astype(np.int32)
+    out = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
+                          preset=preset)
+    cmp = compare_store(np.asarray(out), key, value, cache, slots, preset=preset, field_ulps=0)
+    assert cmp.ok, cmp.describe()

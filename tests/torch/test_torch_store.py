@@ -298,3 +298,28 @@ def test_bucketize_is_the_exact_count(bits):
         _bucketize_kernel[(1,)](torch.from_numpy(y).to(dev), torch.from_numpy(mids).to(dev), out, N=n, BITS=bits,
                      MID_MODE=mode)
         np.testing.assert_array_equal(out.cpu().numpy(), want, err_msg=f"MID_MODE {mode}")
+
+
+@pytest.mark.parametrize("preset", tq_spec.PRESET_NAMES)
+def test_store_nonfinite_elements_match_reference(preset):
+    """NaN and +-Inf elements reach the stored fields as in the reference (and tq_jax): a value
+    vector holding a NaN stores NaN scale and zero, not the range of its other elements (the
+    NaN-skipping `tl.min`/`tl.max` did that: a silent wrong answer downstream); Inf gives an Inf
+    range; a NaN or Inf key gives the reference's norm and codes."""
+    dev = device()
+    gen = torch.Generator().manual_seed(zlib.crc32(f"nonfinite/{preset}".encode()))
+    d = _head_dims(preset)[0]
+    t, hkv, n, p = 7, 2, 3, 4
+    lay = tq_spec.layout(preset, d)
+    cache = torch.randint(0, 256, (n, p, hkv, lay.slot_bytes), dtype=torch.uint8, generator=gen)
+    key = torch.randn(t, hkv, d, generator=gen) * 3
+    value = torch.randn(t, hkv, d, generator=gen)
+    nan, inf = float("nan"), float("inf")
+    value[0, 0, 5], value[1, 1, 0], value[2, 0, d - 1] = nan, inf, -inf
+    value[3, 1, 2], value[3, 1, 3] = inf, -inf
+    key[4, 0, 7], key[5, 1, 1], key[6, 0, 0] = nan, inf, -inf
+    slots = torch.randperm(n * p, generator=gen)[:t]
+    out_cache = cache.to(dev)
+    tq_torch.store_kv(key.to(dev), value.to(dev), out_cache, slots.to(dev), preset=preset)
+    cmp = compare_store(out_cache, key, value, cache, slots, preset=preset, field_ulps=0)
+    assert cmp.ok, cmp.describe()

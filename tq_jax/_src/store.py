@@ -716,7 +716,16 @@ def encode_tile(cfg: StoreConfig, cache_ref, rot_ref, rot, mids, blk, off, head,
     vf = v.astype(jnp.float32)
     lo = jnp.min(vf, axis=1)  # padded lanes repeat element D-1: no effect on min/max
     hi = jnp.max(vf, axis=1)
-    scale = jnp.maximum(_div_rn(hi - lo, float(levels), cfg.ptx), VALUE_SCALE_MIN)
+    # The Triton lowering's float min/max skip NaN (minnumf/maxnumf), where the reference's and
+    # interpret mode's propagate it: a row holding a NaN must store NaN scale and zero (and code
+    # 0), not the range of its other elements. The row's largest magnitude bit pattern above
+    # +Inf's marks a NaN: one AND and one integer max per element.
+    mag = lax.bitcast_convert_type(vf, jnp.int32) & 0x7FFFFFFF
+    has_nan = jnp.max(mag, axis=1) > 0x7F800000
+    lo = jnp.where(has_nan, jnp.nan, lo)
+    hi = jnp.where(has_nan, jnp.nan, hi)
+    span = _div_rn(hi - lo, float(levels), cfg.ptx)
+    scale = jnp.where(has_nan, span, jnp.maximum(span, VALUE_SCALE_MIN))
     inv_scale = _div_rn(1.0, scale, cfg.ptx)
     # floor((v - lo) / scale + 0.5): >= 0 and <= levels for finite rows; NaN rows get code 0.
     codes = jnp.clip(rounded_quotient(cfg, vf - lo[:, None], scale, inv_scale), 0, levels)

@@ -139,6 +139,16 @@ def store_code_words(cache_i16_ptr, row_word, row_ok, codes, COL0: tl.constexpr,
 
 
 @triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _store_fp16_field(cache_i16_ptr, word, row_ok, x):
     """Stores fp32 ``x [BR]`` as little-endian fp16 (RNE) at word index ``word [BR]``."""
     tl.store(cache_i16_ptr + word, x.to(tl.float16).to(tl.int16, bitcast=True), mask=row_ok)
@@ -393,9 +403,13 @@ def _encode_tile(
         LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
         vf = v.to(tl.float32)
         dmask = (tl.arange(0, D_PAD) < D)[None, :]
-        lo = tl.min(tl.where(dmask, vf, float("inf")), axis=1)
-        hi = tl.max(tl.where(dmask, vf, float("-inf")), axis=1)
-        scale = tl.maximum(tl.math.div_rn(hi - lo, tl.zeros_like(lo) + LEVELS * 1.0), VALUE_SCALE_MIN)
+        # NaN-propagating (as the reference's and tq_jax's min/max): `tl.min`/`tl.max` skip NaN,
+        # which turned a value vector holding a NaN into finite scale, zero and codes, a silent
+        # wrong answer where the contract propagates the NaN. (min.NaN / max.NaN: same cost.)
+        lo = tl.reduce(tl.where(dmask, vf, float("inf")), 1, _min_nan)
+        hi = tl.reduce(tl.where(dmask, vf, float("-inf")), 1, _max_nan)
+        scale = tl.maximum(tl.math.div_rn(hi - lo, tl.zeros_like(lo) + LEVELS * 1.0), VALUE_SCALE_MIN,
+                           propagate_nan=tl.PropagateNan.ALL)
         inv_scale = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
         pos = div_by_row(vf - lo[:, None], scale, inv_scale, INTERPRET) + 0.5
         # pos >= 0.5 and floor(pos) <= LEVELS for finite rows; NaN rows get 0
