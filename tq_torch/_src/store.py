@@ -403,7 +403,7 @@ def _encode_tile(
         LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
         vf = v.to(tl.float32)
         dmask = (tl.arange(0, D_PAD) < D)[None, :]
-        # NaN-propagating (as the reference's and tq_jax's min/max): `tl.min`/`tl.max` skip NaN,
+        # NaN-propagating, as the reference's min/max (and tq_jax's store): `tl.min`/`tl.max` skip NaN,
         # which turned a value vector holding a NaN into finite scale, zero and codes, a silent
         # wrong answer where the contract propagates the NaN. (min.NaN / max.NaN: same cost.)
         lo = tl.reduce(tl.where(dmask, vf, float("inf")), 1, _min_nan)
