@@ -2,7 +2,8 @@
 split of) its visible keys (tq_torch's ``attention_kernel``, in Pallas).
 
 Grid ``(T // block_q + B, Hkv, num_splits)``. Sequence ``b`` owns tile ids
-``[qsl[b] // block_q + b, qsl[b+1] // block_q + b + 1)``, enough for
+``[qsl[b] // block_q + b, qsl[b+1] // block_q + b + 1)`` (on the extend path in launch
+order from the last tile down: `_longest_tiles_first`), enough for
 ``ceil(q_len / block_q)`` tiles; a program finds its sequence as the last one
 whose first tile id is ``<= p`` (`_find_sequence`, which also gives every row at
 most one owner when the metadata is bad) and exits if its tile is past the
@@ -148,6 +149,28 @@ def _find_sequence(qsl_ref, p, num_seqs: int, num_tokens: int, block_q: int):
     return b, q_start, jnp.minimum(q_start + grow_b, num_tokens) - q_start
 
 
+# Kv heads whose tiles the extend path interleaves (`_longest_tiles_first`); tq_torch's TILE_ORDER_HEADS.
+TILE_ORDER_HEADS = 4
+
+
+def _longest_tiles_first(x, y, nx: int, ny: int, heads: int):
+    """Extend path: ``(tile id, kv head)`` of program ``(x, y)`` of a static ``(nx, ny)`` grid.
+
+    The GPU starts programs in launch order (``x`` fastest), and a sequence's
+    last tiles see the most keys (causal). Launch order takes the kv heads
+    ``heads`` at a time (one at a time if ``ny`` is not a multiple), and each
+    group's tiles from the last down, its heads next to each other: the final
+    wave holds the shortest tiles instead of the longest. Measured in
+    tq_torch's `_longest_tiles_first`; here (H100, 4bit_nc, one call, ms, program
+    id order -> heads 4 at a time): 8k prefill 2.395 -> 2.352, window 4k 2.055 ->
+    2.007, chunked 0.674 -> 0.657, mixed b16 1.189 -> 1.233.
+    """
+    launch = y * nx + x
+    g = heads if ny % heads == 0 else 1
+    r = km.rem_nonneg(launch, g * nx)
+    return nx - 1 - km.div_nonneg(r, g), km.div_nonneg(launch, g * nx) * g + km.rem_nonneg(r, g)
+
+
 def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tables: bool, has_sinks: bool,
                             num_outputs: int, poison: bool):
     refs = list(refs)
@@ -159,8 +182,12 @@ def _paged_attention_kernel(*refs, cfg: AttentionConfig, num_seqs: int, has_tabl
     sinks_ref = rest.pop(0) if has_sinks else None
     spec = cfg.tiles
     dp, d, g_size, bq = spec.head_dim_padded, spec.head_dim, cfg.group, cfg.block_q
-    p = pl.program_id(0)
-    kv_head = pl.program_id(1)
+    if cfg.split_kv:
+        p, kv_head = pl.program_id(0), pl.program_id(1)
+    else:
+        # The grid's static extent (`pl.num_programs` is traced), as `paged_attention` sets it.
+        p, kv_head = _longest_tiles_first(pl.program_id(0), pl.program_id(1), q_ref.shape[0] // bq + num_seqs,
+                                          cache_ref.shape[2], TILE_ORDER_HEADS)
     split = pl.program_id(2)
 
     # Metadata guards, always on (no value of qsl/seq_lens/block_table moves an
