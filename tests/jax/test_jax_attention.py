@@ -19,6 +19,7 @@ import pytest
 
 import tq_jax
 import tq_spec
+from tq_jax._src import attention_kernel
 from tqjax_cases import (CPU_HEAD_DIM, attend, attention_failure, build_attention_case, paths_for,
                          skip_if_ineligible)
 
@@ -187,3 +188,19 @@ def test_fp8_keys_without_the_hardware_cast(monkeypatch):
                                 scale=0.173, **_MIXED)  # a scale of its own: no cached compilation reused
     for path in ("decode", "extend"):
         _check(case, attend(case, path))
+
+
+@pytest.mark.parametrize("heads", [attention_kernel.TILE_ORDER_HEADS, 2])
+def test_extend_launch_order_takes_every_tile_once_longest_first(heads):
+    # The extend path's (tile, kv head) of each program of the grid: every pair exactly once,
+    # and within each head the later tiles (more keys, causal) launch first.
+    for nx, ny in [(1, 1), (5, 1), (3, 2), (7, 4), (9, 8), (4, 6), (3, 12)]:
+        x = jnp.broadcast_to(jnp.arange(nx, dtype=jnp.int32)[None, :], (ny, nx))
+        y = jnp.broadcast_to(jnp.arange(ny, dtype=jnp.int32)[:, None], (ny, nx))
+        tile, head = attention_kernel._longest_tiles_first(x, y, nx, ny, heads)
+        out = np.full((nx, ny), -1)
+        out[np.asarray(tile), np.asarray(head)] = np.asarray(y * nx + x)
+        assert np.array_equal(np.sort(out.ravel()), np.arange(nx * ny)), (nx, ny)
+        assert out[nx - 1, 0] == 0, (nx, ny)
+        if nx > 1:
+            assert (out[:-1] > out[1:]).all(), (nx, ny, out)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import tq_spec
 import tq_torch
+from tq_torch._src.attention_kernel import TILE_ORDER_HEADS, _longest_tiles_first
 from tq_torch_testlib import AttnCase, build, check_against_reference, device, eligible_paths, run_path
 
 PLAIN = ("turboquant_k8v4", "bf16", "fp16")  # presets that accept any multiple-of-8 head_dim
@@ -165,3 +168,26 @@ def test_forced_unknown_path_is_rejected():
         tq_torch.paged_attention(*built.args(), **built.kwargs(), path="flash")
     with pytest.raises(TypeError, match="path"):
         tq_torch.paged_attention(*built.args(), **built.kwargs(), path=None)
+
+
+@triton.jit
+def _launch_order_kernel(out_ptr, HEADS: tl.constexpr):
+    tile, head = _longest_tiles_first(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1),
+                                      HEADS)
+    launch = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(out_ptr + tile * tl.num_programs(1) + head, launch)
+
+
+@pytest.mark.parametrize("heads", [TILE_ORDER_HEADS.value, 2])
+def test_extend_launch_order_takes_every_tile_once_longest_first(heads):
+    # The extend path's (tile, kv head) of each program: every pair exactly once (a pair no
+    # program takes keeps -1, two programs on one pair leave another at -1), and within each
+    # head the later tiles (more keys, causal) launch first.
+    for nx, ny in [(1, 1), (5, 1), (3, 2), (7, 4), (9, 8), (4, 6), (3, 12)]:
+        out = torch.full((nx, ny), -1, dtype=torch.int32, device=device())
+        _launch_order_kernel[(nx, ny)](out, HEADS=heads)
+        out = out.cpu()
+        assert torch.equal(out.flatten().sort().values, torch.arange(nx * ny, dtype=torch.int32)), (nx, ny)
+        assert out[nx - 1, 0] == 0, (nx, ny)
+        if nx > 1:
+            assert bool((out[:-1] > out[1:]).all()), (nx, ny, out)
