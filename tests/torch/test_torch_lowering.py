@@ -10,6 +10,7 @@ before triton is imported) for a few variants down to a cubin.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,11 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip("this Triton build ships no ptxas")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 failing variants" in proc.stdout
+    # Dot operands decoded from packed codes go through `kernel_math.mma_operand`, so every
+    # mma.sync operand of the attention kernels keeps runs of 2 along k: runs of 4 mean ptxas
+    # copies registers around each MMA (`mma_operand`'s docstring).
+    ttgir = sorted((tmp_path / "triton-cache").glob("*/paged_attention_kernel.ttgir"))
+    assert ttgir, "no attention kernel was compiled"
+    for path in ttgir:
+        widths = set(re.findall(r"kWidth = (\d+)", path.read_text()))
+        assert widths <= {"2"}, f"{path.parent.name}: dot operands with kWidth {sorted(widths)}"

@@ -245,6 +245,32 @@ def biased_nibble_operand(words, DOT_DTYPE: tl.constexpr):
     return x, _code_bias(DOT_DTYPE)
 
 
+# `mma_operand`'s PTX: a 32-bit copy, which ptxas folds away.
+_COPY_B32 = tl.constexpr("mov.b32 $0, $1;")
+
+
+@triton.jit
+def mma_operand(x, INTERPRET: tl.constexpr):
+    """``x``, a dot operand decoded from packed codes, unchanged; on the GPU with 16-bit elements
+    behind an asm copy that Triton's layout passes cannot see through.
+
+    For an mma.sync dot Triton sizes both operands' per-thread runs along k (``kWidth``) from
+    the narrowest load behind either of them, halved again when a `tl.join` is on the way:
+    a tile decoded from 16-bit words through joins gets runs of 4 elements. HMMA reads each
+    fragment as a pair of 32-bit registers that those 8-byte runs do not form, so ptxas
+    copied registers around every MMA (Triton 3.9 sm_90a build of the 4bit_nc decode loop:
+    192 of 1195 instructions were such copies, and shared loads were 8-byte ``LDS.64`` in
+    place of ``ldmatrix``). A side-effecting asm ends Triton's backward walk here, so the
+    operand keeps its own width: runs of 2, read by ``ldmatrix`` (1007 instructions).
+    Only for tiles decoded in registers: a raw tile that Triton's pipeliner copies into
+    shared memory must not take a round trip through registers.
+    """
+    if INTERPRET or x.dtype == tl.float32:
+        return x
+    else:
+        return tl.inline_asm_elementwise(_COPY_B32, "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
 @triton.jit
 def tanh_f32(x):
     """Accurate fp32 tanh (a few ulp) from exp, odd Taylor series near zero.

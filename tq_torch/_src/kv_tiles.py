@@ -33,8 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernel_math import (biased_code_operand, biased_nibble_operand, dot, dot_operand, table_lookup,
-                          table_lookup_with_squares, tanh_f32)
+from .kernel_math import (biased_code_operand, biased_nibble_operand, dot, dot_operand, mma_operand,
+                          table_lookup, table_lookup_with_squares, tanh_f32)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 MAX_SCALAR_PAGES = tl.constexpr(4)  # `load_block_ids`: pages per tile read as scalars (more: one gather)
@@ -307,8 +307,9 @@ def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, square_scale,
                     INTERPRET: tl.constexpr):
     """Keys in scoring space: ``(k [BN, D_PAD], per-key factor)``.
 
-    ``k`` is fp32, except with ``NORM_ROWS > 0``, where it comes back as a
-    ``DOT_DTYPE`` dot operand (`kernel_math.dot_operand`, which leaves it as it is).
+    ``k`` is fp32, except for norm-corrected mse keys with ``NORM_ROWS > 0``, where it
+    comes back as a ``DOT_DTYPE`` dot operand (`kernel_math.dot_operand`, which leaves it
+    as it is) already behind `kernel_math.mma_operand`.
 
     score = factor * (q . k). Raw/fp8 keys: factor 1. mse keys: ``k`` holds the
     centroids and factor is ``norm`` (``norm / ||c||`` with norm correction),
@@ -330,6 +331,8 @@ def decode_key_tile(ka, kb, kc, knorm, cb_ptr, key_valid, square_scale,
     elif NORM_CORRECTION and NORM_ROWS > 0:
         k, squares = table_lookup_with_squares(cb_ptr, codes, square_scale, 1 << KEY_FIELD_BITS, DOT_DTYPE,
                                                INTERPRET)
+        k = mma_operand(k, INTERPRET)
+        squares = mma_operand(squares, INTERPRET)
         ones = dot_operand(tl.full([NORM_ROWS, k.shape[1]], 1.0, tl.float32), tl.float16, INTERPRET)
         norm_sq = dot(ones, tl.trans(squares), tl.float16, INTERPRET)  # (||c|| * square_scale)**2
         # rsqrt is within 2 ulp: far below the bf16 rounding of k.
@@ -374,9 +377,12 @@ def _biased_value_operand(va, vb, vc, VALUE_FIELD_BITS: tl.constexpr, DOT_DTYPE:
     (`biased_nibble_operand`); the result is the same.
     """
     if VALUE_FIELD_BITS == 4 and DOT_DTYPE != tl.float32 and not INTERPRET:
-        return biased_nibble_operand(va, DOT_DTYPE)
+        v, bias = biased_nibble_operand(va, DOT_DTYPE)
     else:
-        return biased_code_operand(decode_field(va, vb, vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
+        v, bias = biased_code_operand(decode_field(va, vb, vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
+    # Right where the tile is decoded: the asm keeps its place in the program, and here its
+    # trip to shared memory can overlap the softmax (at the dot: 4bit_nc decode 5 % slower).
+    return mma_operand(v, INTERPRET), bias
 
 
 @triton.jit
@@ -478,7 +484,12 @@ def _key_loop(
             c_valid = c_valid & (keys >= k_first)
         k, k_factor = decode_key_tile(c_ka, c_kb, c_kc, c_knorm, cb_ptr, c_valid, square_scale, KEY_FORMAT,
                                       KEY_FIELD_BITS, NORM_CORRECTION, RAW_DTYPE, DOT_DTYPE, NORM_ROWS, INTERPRET)
-        s = dot(q, tl.trans(dot_operand(k, DOT_DTYPE, INTERPRET)), DOT_DTYPE, INTERPRET)
+        k = dot_operand(k, DOT_DTYPE, INTERPRET)
+        # Keys decoded in registers go behind `mma_operand` (raw tiles must not: see there);
+        # `decode_key_tile` did it at the lookup for norm-corrected mse keys on 16-row tiles.
+        if KEY_FORMAT != 0 and not (KEY_FORMAT == 2 and NORM_CORRECTION and NORM_ROWS > 0):
+            k = mma_operand(k, INTERPRET)
+        s = dot(q, tl.trans(k), DOT_DTYPE, INTERPRET)
         if HAS_SOFTCAP:
             # On the scaled logits, before masking (DESIGN.md section 3).
             s = _scale_scores(s, k_factor, sm_scale, NORM_ROWS)
