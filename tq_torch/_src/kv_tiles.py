@@ -374,16 +374,14 @@ def _biased_value_operand(va, vb, vc, VALUE_FIELD_BITS: tl.constexpr, DOT_DTYPE:
     """Uniform value codes ``[BN, D_PAD]`` + bias as a dot operand, and the bias (`biased_code_operand`).
 
     4-bit codes on the GPU go straight from the words to 16-bit pairs
-    (`biased_nibble_operand`); the result is the same.
+    (`biased_nibble_operand`); the result is the same. Not yet behind `mma_operand`: the
+    caller places that.
     """
     if VALUE_FIELD_BITS == 4 and DOT_DTYPE != tl.float32 and not INTERPRET:
         v, bias = biased_nibble_operand(va, DOT_DTYPE)
     else:
         v, bias = biased_code_operand(decode_field(va, vb, vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
-    # Right where the tile is decoded: the asm keeps its place in the program, and here its
-    # trip to shared memory can overlap the softmax. (Keys and values both at their dots
-    # measured 3-5 % slower on the 4-bit decode rows: steps.md, session 27.)
-    return mma_operand(v, INTERPRET), bias
+    return v, bias
 
 
 @triton.jit
@@ -530,6 +528,12 @@ def _key_loop(
             # P @ (codes * scale + zero) = (P * scale) @ (codes + bias) + P @ zero - bias * sum(P * scale),
             # the last sum over the P * scale the dot multiplied (rounded to DOT_DTYPE).
             v, v_bias = _biased_value_operand(c_va, c_vb, c_vc, VALUE_FIELD_BITS, DOT_DTYPE, INTERPRET)
+            # The asm of `mma_operand` keeps its place in the program. Right where the tile is
+            # decoded, its trip to shared memory can overlap the softmax: 8-12 % faster on the
+            # decode rows than at the dot, except behind 3-bit keys with 4-bit values (k3v4_nc),
+            # where it goes at the dot below, 7 % faster there (steps.md, sessions 27 and 28).
+            if not (KEY_FORMAT == 2 and KEY_FIELD_BITS == 3 and VALUE_FIELD_BITS == 4):
+                v = mma_operand(v, INTERPRET)
             if ANY_PAGE and not MASKED:
                 # A masked key's scale and zero came from page 0 (maybe NaN/Inf): zero them, per
                 # key, so that its p = 0 stays 0. (Its codes are finite integers.)
@@ -548,6 +552,8 @@ def _key_loop(
                 p_zero = tl.where(visible, p_zero, 0.0)
             p_v = dot_operand(p_scale, DOT_DTYPE, INTERPRET)
             zero_term = tl.sum(p_zero - v_bias * p_v.to(tl.float32), axis=1)
+            if KEY_FORMAT == 2 and KEY_FIELD_BITS == 3 and VALUE_FIELD_BITS == 4:
+                v = mma_operand(v, INTERPRET)
             # The rescaled accumulator is the dot's accumulator input (no copies into a fresh one).
             acc = dot(p_v, v, DOT_DTYPE, INTERPRET, acc * alpha[:, None] + zero_term[:, None])
         m_i = m_new
