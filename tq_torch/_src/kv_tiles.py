@@ -378,10 +378,9 @@ def _biased_value_operand(va, vb, vc, VALUE_FIELD_BITS: tl.constexpr, DOT_DTYPE:
     caller places that.
     """
     if VALUE_FIELD_BITS == 4 and DOT_DTYPE != tl.float32 and not INTERPRET:
-        v, bias = biased_nibble_operand(va, DOT_DTYPE)
+        return biased_nibble_operand(va, DOT_DTYPE)
     else:
-        v, bias = biased_code_operand(decode_field(va, vb, vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
-    return v, bias
+        return biased_code_operand(decode_field(va, vb, vc, VALUE_FIELD_BITS), DOT_DTYPE, INTERPRET)
 
 
 @triton.jit
