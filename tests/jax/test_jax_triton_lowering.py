@@ -240,6 +240,73 @@ def test_decode_cache_loads_are_vectorized(triton_modules, preset):
         assert not moved_ints, moved_ints[:2]
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_constant_key_entries_match_the_device_tables(dtype):
+    """The host's constant shuffle-table entries are bit for bit `key_tables`' row 0, for every
+    4-bit mse preset and head size the default codebook serves."""
+    import numpy as np
+
+    from tq_jax._src.kv_tiles import constant_key_entries, key_tables
+    from tq_jax._src.params import _default_tables
+
+    for preset in [p for p in tq_spec.PRESET_NAMES
+                   if tq_spec.get_preset(p).key_format == "mse" and tq_spec.get_preset(p).key_bits == 4]:
+        nc = tq_spec.get_preset(preset).norm_correction
+        for d in (64, 128, 256, 512):
+            centroids = _default_tables(preset, d)[0]
+            device = np.asarray(key_tables(jnp.asarray(centroids), 4, dtype, nc))[0, :16].view(np.int32)
+            assert constant_key_entries(centroids, 4, jnp.dtype(dtype).name, nc) == tuple(int(x) for x in device)
+
+
+def test_decode_key_tiles_skip_shared_memory_with_constant_entries(triton_modules):
+    """Decode of 4-bit mse keys with the default codebook (constant table entries, the public
+    op's default for batches of `CONSTANT_ENTRY_MIN_SEQS` or more): Triton 3.9 for sm_90a converts
+    the loaded key *bytes* to the MMA layout, and no decoded key or square tile goes through shared
+    memory (`kv_tiles.TileSpec.key_entries`)."""
+    from tq_jax._src import attention, config
+
+    preset, d, hq, hkv, b = "turboquant_4bit_nc", 128, 8, 2, attention.CONSTANT_ENTRY_MIN_SEQS
+    lay = tq_spec.layout(preset, d)
+    entries = attention._default_key_entries(tq_spec.get_preset(preset), d, jnp.bfloat16, "decode", None, None,
+                                             num_seqs=b)
+    assert entries is not None
+    fn = functools.partial(paged_attention_call, preset_name=preset, scale=0.125, sliding_window=None,
+                           logits_soft_cap=None, path="decode", num_splits=None, interpret=False,
+                           key_entries=entries)
+    _lower_for_cuda(
+        fn, S((b, hq, d), jnp.bfloat16), S((40, 16, hkv, lay.slot_bytes), jnp.uint8), S((b, 10), jnp.int32),
+        S((b,), jnp.int32), S((b + 1,), jnp.int32), None, S((d, d), jnp.float32), S((16,), jnp.float32),
+    )
+    tiles = config.decode_tiles(config.attention_tiles(128, False, "decode", config.key_kind(preset)), hq // hkv)
+    ttgir = _triton_ttgir(triton_modules[0], tiles["num_warps"], tiles["num_stages"])
+    block_n = tiles["block_n"]
+    decoded = re.findall(rf"ttg\.local_alloc [^\n]*tensor<{block_n}x64xf?b?f16", ttgir)
+    assert not decoded, decoded
+    assert re.search(rf"ttg\.convert_layout [^\n]*tensor<{block_n}x64xi8", ttgir), "the key bytes are not converted"
+
+
+def test_constant_key_entries_only_where_they_win():
+    """The public op's choice (`attention._default_key_entries`): decode of 4-bit mse keys with the
+    default codebook, a 16-bit query and `CONSTANT_ENTRY_MIN_SEQS` sequences or more (fewer
+    programs run faster with the prefetching loop); every other case reads the tables in the kernel."""
+    from tq_jax._src import attention
+
+    default = functools.partial(attention._default_key_entries, head_dim=128, rotation=None, codebook=None)
+    many, few = attention.CONSTANT_ENTRY_MIN_SEQS, attention.CONSTANT_ENTRY_MIN_SEQS - 1
+    p = tq_spec.get_preset("turboquant_4bit_nc")
+    for dtype in (jnp.bfloat16, jnp.float16):
+        assert default(p, query_dtype=dtype, path="decode", num_seqs=many) is not None
+    assert default(p, query_dtype=jnp.bfloat16, path="decode", num_seqs=few) is None
+    assert default(p, query_dtype=jnp.float32, path="decode", num_seqs=many) is None
+    assert default(p, query_dtype=jnp.bfloat16, path="extend", num_seqs=many) is None
+    for preset in ("turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4", "bf16"):
+        p = tq_spec.get_preset(preset)
+        assert default(p, query_dtype=jnp.bfloat16, path="decode", num_seqs=many) is None
+    codebook = tq_spec.quant_params(tq_spec.get_preset("turboquant_4bit_nc"), 128).codebook
+    assert attention._default_key_entries(tq_spec.get_preset("turboquant_4bit_nc"), 128, jnp.bfloat16, "decode",
+                                          None, codebook, num_seqs=many) is None
+
+
 @pytest.mark.parametrize("hq,path,capped", [(8, "decode", True), (2, "decode", True), (64, "decode", False),
                                             (8, "extend", False)],
                          ids=["decode-16-rows", "decode-group-of-one", "decode-32-rows", "extend"])

@@ -26,8 +26,8 @@ from .cache_access import CacheWords, needs_word_view, to_word_view
 from .decode import decode_partials, merge_partials
 from .extend import extend_attention
 from .inputs import array, index_array, not_differentiable, validate_values
-from .kv_tiles import TileSpec, key_tables
-from .params import resolve
+from .kv_tiles import TileSpec, constant_key_entries, key_tables
+from .params import _default_tables, resolve
 from .platform import by_lowering_platform, check_interpret, interpret_default
 from .store import host_sign_form
 from .workspace import dequantize_pages, workspace_preset
@@ -160,7 +160,9 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
             preset_name=lay.preset.name, scale=float(1.0 / math.sqrt(d) if scale is None else scale),
             sliding_window=None if sliding_window is None else int(sliding_window),
             logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            path=chosen, num_splits=None, interpret=interpret, rotation_scale=rotation_scale))
+            path=chosen, num_splits=None, interpret=interpret, rotation_scale=rotation_scale,
+            key_entries=_default_key_entries(lay.preset, d, query.dtype, chosen, rotation, codebook,
+                                             num_seqs=int(block_table.shape[0]))))
         if signature is not None and not any(isinstance(x, _Tracer) for x in (rot, cents)):
             if len(_CHECKED) >= _MAX_CHECKED:
                 _CHECKED.clear()
@@ -235,11 +237,11 @@ def checked_arguments(query, kv_cache, block_table, seq_lens, query_start_loc, s
 @functools.partial(
     jax.jit,
     static_argnames=("preset_name", "scale", "sliding_window", "logits_soft_cap", "path", "num_splits",
-                     "interpret", "word_view", "poison", "rotation_scale"),
+                     "interpret", "word_view", "poison", "rotation_scale", "key_entries"),
 )
 def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
                      preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret,
-                     word_view=None, poison=False, rotation_scale=None):
+                     word_view=None, poison=False, rotation_scale=None, key_entries=None):
     """The jitted op: `paged_attention_call` per lowering platform, not differentiable.
 
     ``rotation``, ``rotation_scale``: as `query_rotation` gives them.
@@ -247,7 +249,7 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, si
     call = functools.partial(
         paged_attention_call, preset_name=preset_name, scale=scale, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, word_view=word_view, poison=poison,
-        rotation_scale=rotation_scale,
+        rotation_scale=rotation_scale, key_entries=key_entries,
     )
 
     def op(*arrays):
@@ -255,6 +257,27 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, si
 
     return not_differentiable("tq_jax.paged_attention", op)(
         query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids)
+
+
+# Smallest batch whose decode takes constant table entries (see `_attend`); measured at 1 (slower)
+# and 32 (faster), not in between.
+CONSTANT_ENTRY_MIN_SEQS = 8
+
+
+def _default_key_entries(preset, head_dim: int, query_dtype, path: str, rotation, codebook, *, num_seqs: int):
+    """`kv_tiles.constant_key_entries` of the default codebook for the decode path of 4-bit mse
+    keys with a 16-bit query and at least `CONSTANT_ENTRY_MIN_SEQS` sequences; None otherwise
+    (user codebooks, other paths, presets and dtypes, small batches: see `_attend`)."""
+    if (path != "decode" or num_seqs < CONSTANT_ENTRY_MIN_SEQS or rotation is not None or codebook is not None
+            or preset.key_format != "mse" or preset.key_bits != 4 or jnp.dtype(query_dtype).itemsize != 2):
+        return None
+    return _constant_entries(preset.name, head_dim, jnp.dtype(query_dtype).name, preset.norm_correction)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_entries(preset_name: str, head_dim: int, dtype_name: str, norm_correction: bool):
+    centroids = _default_tables(preset_name, head_dim)[0]
+    return constant_key_entries(centroids, 4, dtype_name, norm_correction)
 
 
 def attention_compute_dtype(query_dtype) -> str:
@@ -270,14 +293,15 @@ def attention_compute_dtype(query_dtype) -> str:
 def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
                          *, preset_name: str, scale: float, sliding_window, logits_soft_cap, path: str,
                          num_splits: int | None, interpret: bool | None, word_view: bool | None = None,
-                         poison: bool = False, rotation_scale: float | None = None):
+                         poison: bool = False, rotation_scale: float | None = None, key_entries=None):
     """The launch without validation (traced inside `_paged_attention`).
 
     `num_splits` None picks the decode split count from the shapes; `word_view`
     None picks the cache view from its size (tests force both); `poison`
     makes the kernels write into NaN-filled buffers (tests); `interpret`
     None falls back to `interpret_default()` (direct calls in tests);
-    ``rotation_scale``: see `query_rotation` (None: ``rotation`` is ``Pi`` itself).
+    ``rotation_scale``: see `query_rotation` (None: ``rotation`` is ``Pi`` itself);
+    ``key_entries``: `kv_tiles.constant_key_entries` of ``centroids`` (decode path) or None.
     """
     t, hq, d = query.shape
     if t == 0 or seq_lens.shape[0] == 0:  # no rows, or B = 0: every row is padding (zeros)
@@ -287,7 +311,7 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
     out = _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids,
                   preset_name=preset_name, scale=scale, sliding_window=sliding_window,
                   logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, interpret=interpret,
-                  word_view=word_view, poison=poison, rotation_scale=rotation_scale)
+                  word_view=word_view, poison=poison, rotation_scale=rotation_scale, key_entries=key_entries)
     # Padding rows (T bucketed past query_start_loc[B]) belong to no sequence:
     # no kernel writes them, so they are zeroed here, fused into the decode
     # merge (one select over the output on the extend path; no host sync).
@@ -298,7 +322,7 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
 
 def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
             preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret, word_view,
-            poison, rotation_scale=None):
+            poison, rotation_scale=None, key_entries=None):
     """The chosen path's kernel (+ the decode merge): ``[T, Hq, D]``, padding rows unspecified."""
     t, hq, d = query.shape
     n, page, hkv, _ = kv_cache.shape
@@ -326,14 +350,26 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
                        logits_soft_cap=logits_soft_cap, path="extend", num_splits=None, interpret=interpret,
                        word_view=None, poison=poison)
     d_pad = config.padded_head_dim(d)
+    # Constant table entries on the GPU's decode path (`kv_tiles.TileSpec.key_entries`; the public
+    # op passes them for batches of `CONSTANT_ENTRY_MIN_SEQS` sequences or more). Their loop runs
+    # without the hand prefetch: a raw tile carried from the last step is defined outside the loop
+    # body, which would keep the decoded tiles in shared memory. (H100, B = 32 x 8k 4bit_nc: 0.404
+    # -> 0.388 ms; B = 1 x 4k, where the prefetch hides the latency of few programs: 0.046 -> 0.067
+    # ms; steps.md, sessions 28 and 29.)
+    constant_entries = key_entries is not None and path == "decode" and not interpret
     tiles = config.attention_tiles(d_pad, interpret, path, config.key_kind(lay.preset))
     if path == "decode":
         tiles = config.decode_tiles(tiles, group)
     spec = TileSpec(
         lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
         max_blocks=int(block_table.shape[1]), block_n=tiles["block_n"], head_dim_padded=d_pad,
-        compute_dtype=cdt, prefetch=tiles["prefetch"], use_ptx=not interpret,
+        compute_dtype=cdt, use_ptx=not interpret,
         fp8_convert=config.fp8_hardware_convert(interpret), shuffle_lookup=not interpret,
+        # Constant table entries on the GPU's decode path (`kv_tiles.TileSpec.key_entries`). Their
+        # loop runs without the hand prefetch: a raw tile carried from the last step is defined
+        # outside the loop body, which keeps the decoded tiles in shared memory.
+        key_entries=key_entries if constant_entries else None,
+        prefetch=tiles["prefetch"] and not constant_entries,
     )
     common = dict(tiles=spec, num_q_heads=hq, group=group, scale=scale, window=sliding_window,
                   soft_cap=logits_soft_cap, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],

@@ -371,6 +371,23 @@ def lane_table_entry(entries, shape):
     return entry
 
 
+def constant_lane_entry(like, entries):
+    """GPU only. `lane_table_entry` of constant ``entries`` (int32 Python ints), built from the
+    lane id of an asm fed ``like`` (an int32 tile of the loop body): every operand is then
+    loop-variant or a constant, which lets Triton move a layout conversion of the dot operands
+    this entry feeds back onto ``like`` (a tile defined outside the loop stops that). ptxas
+    computes the select chain once per thread.
+    """
+    [lane] = pltriton.elementwise_inline_asm(
+        "mov.u32 $0, %laneid;", args=[like], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(like.shape, jnp.int32)])
+    lane = lane & (len(entries) - 1)
+    entry = jnp.full(like.shape, entries[0], jnp.int32)
+    for k in range(1, len(entries)):
+        entry = jnp.where(lane == k, entries[k], entry)
+    return entry
+
+
 def shuffle_lookup(index, entry):
     """GPU only. int32 ``entry`` of lane ``index & 31`` for each element (`lane_table_entry`).
 

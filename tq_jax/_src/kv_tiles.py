@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
@@ -73,6 +74,9 @@ class TileSpec:
     use_ptx: bool  # inline PTX (GPU lowering): IEEE division, ex2.approx; jnp in interpret mode
     fp8_convert: bool = True  # fp8 keys by a hardware cast (sm_89+), else the integer decode
     shuffle_lookup: bool = False  # mse keys by warp shuffles (GPU lowering), else gathers
+    # 4-bit mse keys of a default codebook: its 16 shuffle-table entries as constants
+    # (`constant_key_entries`); the keys are then read as bytes. None: entries read in the kernel.
+    key_entries: tuple | None = None
 
     @property
     def head_dim(self) -> int:
@@ -168,17 +172,17 @@ def fetch_kv_tile(spec: TileSpec, cache_ref, blk, start, kv_head, valid) -> RawT
     d, dp = spec.head_dim, spec.head_dim_padded
     off = in_page_offsets(spec, start)
 
-    def field(byte0, bits):
+    def field(byte0, bits, as_bytes=False):
         if bits == 3:
             return acc.load_byte_planes(cache_ref, blk, off, kv_head, byte0, dp // 8, d // 8, valid)
-        if bits == 4:  # 16-bit words: four codes each, split by shifts alone (`decode_key_tile`)
+        if bits == 4 and not as_bytes:  # 16-bit words: four codes each, split by shifts alone
             return (acc.load_words(cache_ref, blk, off, kv_head, byte0, dp // 4, d // 4, valid),)
         return (acc.load_bytes(cache_ref, blk, off, kv_head, byte0, dp * bits // 8, d * bits // 8, valid),)
 
     def half(byte):
         return None if byte is None else acc.load_half(cache_ref, blk, off, kv_head, byte, valid)
 
-    key = field(lay.key_offset, spec.field_bits("key"))
+    key = field(lay.key_offset, spec.field_bits("key"), as_bytes=spec.key_entries is not None)
     norm = half(lay.key_norm_offset) if p.key_format == "mse" else None
     value = field(lay.value_offset, spec.field_bits("value"))
     uniform = p.value_format != "raw"
@@ -234,6 +238,21 @@ def key_tables(centroids, bits: int, compute_dtype, norm_correction: bool):
     hi = centroids[i >> bits].astype(jnp.float32)
     return jnp.stack([lax.bitcast_convert_type(lo, jnp.uint32), lax.bitcast_convert_type(hi, jnp.uint32),
                       lax.bitcast_convert_type(lo * lo + hi * hi, jnp.uint32) if norm_correction else zero])
+
+
+def constant_key_entries(centroids, key_bits: int, compute_dtype, norm_correction: bool):
+    """`key_tables`' row-0 entries (16-bit compute dtypes), computed on the host: a tuple of
+    ``2**key_bits`` int32 Python ints, the same bits `key_tables` gives on the device.
+
+    For `TileSpec.key_entries`: a kernel built with them holds the table as constants.
+    ``centroids``: numpy float32 ``[>= 2**key_bits]``.
+    """
+    c = np.asarray(centroids, np.float32)[: 1 << key_bits]
+    exp_bits = np.asarray(np.max(np.abs(c)), np.float32).view(np.uint32) & np.uint32(0x7F800000)
+    r = np.asarray(np.uint32(0x7F000000) - exp_bits, np.uint32).view(np.float32)  # 2**-(e - 127)
+    low = np.asarray(c, jnp.dtype(compute_dtype)).view(np.uint16).astype(np.uint32)
+    high = np.asarray(np.square(r * c), np.float16).view(np.uint16).astype(np.uint32)
+    return tuple(int(x) for x in (low | (high << np.uint32(16))).view(np.int32))
 
 
 def lane_entries(spec: TileSpec, tab_ref):
@@ -313,12 +332,26 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
         # Each element is its field shifted down, unmasked (the lookup masks, see below):
         # 4 bits: element 4i + j is field j of 16-bit word i; 3 bits: element 8g + j is field j
         # of group g's 24-bit word. Even and odd elements come from the even and odd fields.
-        if bits == 4:
-            fields = km.unmasked_fields(raw.key[0], 4, 4)
+        if spec.key_entries is not None:
+            # Key bytes: element 2j is the low nibble of byte j, element 2j + 1 its high nibble.
+            # Every step from the loaded bytes to the dots is elementwise with the same shift for
+            # every element, and the table entry comes from constants inside the loop, so Triton
+            # moves the MMA layout conversion onto the byte tile: no decoded key tile crosses
+            # shared memory (steps.md, session 28).
+            key_bytes = raw.key[0].astype(jnp.int32)
+            even, odd = key_bytes, lax.shift_right_logical(key_bytes, 4)
         else:
-            fields = km.unmasked_fields(km.group_words(*raw.key), 3, 8)
-        even, odd = km.interleave_fields(fields[0::2]), km.interleave_fields(fields[1::2])
-        if entries is not None:
+            if bits == 4:
+                fields = km.unmasked_fields(raw.key[0], 4, 4)
+            else:
+                fields = km.unmasked_fields(km.group_words(*raw.key), 3, 8)
+            even, odd = km.interleave_fields(fields[0::2]), km.interleave_fields(fields[1::2])
+        if spec.key_entries is not None and spec.shuffle_lookup:
+            entry = km.constant_lane_entry(even, spec.key_entries)
+
+            def lookup(codes):
+                return km.shuffle_lookup(codes, entry)
+        elif entries is not None:
             # A shuffle reads only the lane bits of its index: lanes l and l + 2**bits hold the
             # same entry, so the higher code bits need no mask.
             entry = km.lane_table_entry(entries, even.shape)
