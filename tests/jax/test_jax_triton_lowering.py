@@ -277,7 +277,8 @@ def test_decode_key_tiles_skip_shared_memory_with_constant_entries(triton_module
         fn, S((b, hq, d), jnp.bfloat16), S((40, 16, hkv, lay.slot_bytes), jnp.uint8), S((b, 10), jnp.int32),
         S((b,), jnp.int32), S((b + 1,), jnp.int32), None, S((d, d), jnp.float32), S((16,), jnp.float32),
     )
-    tiles = config.decode_tiles(config.attention_tiles(128, False, "decode", config.key_kind(preset)), hq // hkv)
+    tiles = config.decode_tiles(config.attention_tiles(128, False, "decode", config.key_kind(preset)), hq // hkv,
+                                packed=True)
     ttgir = _triton_ttgir(triton_modules[0], tiles["num_warps"], tiles["num_stages"])
     block_n = tiles["block_n"]
     decoded = re.findall(rf"ttg\.local_alloc [^\n]*tensor<{block_n}x64xf?b?f16", ttgir)
@@ -305,6 +306,25 @@ def test_constant_key_entries_only_where_they_win():
     codebook = tq_spec.quant_params(tq_spec.get_preset("turboquant_4bit_nc"), 128).codebook
     assert attention._default_key_entries(tq_spec.get_preset("turboquant_4bit_nc"), 128, jnp.bfloat16, "decode",
                                           None, codebook, num_seqs=many) is None
+
+
+def test_packed_decode_tiles_take_their_own_settings():
+    """`config.decode_tiles` for the packed-operand decode (`kv_tiles.TileSpec.key_entries`): the
+    entry's ``packed`` cap and split count for tiles of 16 rows, groups of one head included (over
+    their ``solo`` setting); tiles of 32 rows keep ``tall``; wider heads have no ``packed`` entry."""
+    from tq_jax._src import config
+
+    tiles = config.attention_tiles(128, False, "decode", "mse4")
+    packed = tiles["packed"]
+    assert packed["max_registers"] != tiles["solo"]["max_registers"]
+    for group in (1, 4, 8, 16):
+        got = config.decode_tiles(tiles, group, packed=True)
+        assert {k: got[k] for k in packed} == packed, (group, got)
+        assert not {"tall", "solo", "packed"} & set(got)
+    assert config.decode_tiles(tiles, 1)["max_registers"] == tiles["solo"]["max_registers"]
+    tall = config.decode_tiles(tiles, 32, packed=True)
+    assert {k: tall[k] for k in tiles["tall"]} == tiles["tall"]
+    assert "packed" not in config.attention_tiles(256, False, "decode", "mse4")
 
 
 @pytest.mark.parametrize("hq,path,capped", [(8, "decode", True), (2, "decode", True), (64, "decode", False),

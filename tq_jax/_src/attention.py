@@ -359,7 +359,7 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
     constant_entries = key_entries is not None and path == "decode" and not interpret
     tiles = config.attention_tiles(d_pad, interpret, path, config.key_kind(lay.preset))
     if path == "decode":
-        tiles = config.decode_tiles(tiles, group)
+        tiles = config.decode_tiles(tiles, group, packed=constant_entries)
     spec = TileSpec(
         lay=lay, access=CacheWords(word_view), block_size=int(page), num_blocks=int(n),
         max_blocks=int(block_table.shape[1]), block_n=tiles["block_n"], head_dim_padded=d_pad,

@@ -64,9 +64,19 @@ _TILES_D128 = {
         # SM 416 / 406 (a b a b against the 128-register entry: GQA 1 436 / 415 / 434 / 412, GQA 8
         # 218 / 222 / 227 / 232, so only groups of one take it), at 6 per SM 425 / 411, at 12 per
         # SM 433 / 412; uncapped at 5 per SM 488 / 436; without the prefetch 431 / 435.
+        # `packed`: the decode whose MMA operands come from the packed key bytes (constant table
+        # entries, batches of 8+ sequences: `attention._attend`), a loop without the prefetch that
+        # spills nothing at 128 registers, groups of one head included. H100, one process, median
+        # of 7 x 100 calls, two rounds (ms), B=32 x 8k 4bit_nc / GQA 1 / GQA 8: the entry above
+        # (GQA 1 `solo`) 0.387 / 0.407 / 0.213; 16 per SM 0.379 / 0.406 / 0.203, with GQA 1 at 128
+        # registers 0.380 / 0.381 / 0.203; 20 per SM 0.376 / 0.379 / 0.203; 24 per SM 0.377 /
+        # 0.379 / 0.206; 32 per SM 0.374 / 0.378 / 0.214; 8 per SM 0.401 / 0.408 / 0.221; 64 keys
+        # at 168 registers, 6 per SM 0.437 / 0.423 / 0.234; uncapped at 5 per SM 0.445 / 0.461 /
+        # 0.240 (steps.md, session 29).
         "mse4": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=True, max_registers=128,
                      tall=dict(max_registers=None, programs_per_sm=5),
-                     solo=dict(max_registers=168, programs_per_sm=4)),
+                     solo=dict(max_registers=168, programs_per_sm=4),
+                     packed=dict(max_registers=128, programs_per_sm=20)),
         "mse3": dict(block_n=32, num_warps=4, num_stages=1, programs_per_sm=12, prefetch=False, max_registers=128,
                      tall=dict(max_registers=None, programs_per_sm=5)),
         # fp8 keys on 2 warps (tq_torch's run on one). H100, B=32 x 8k k8v4, one call (us): 4 warps
@@ -113,7 +123,8 @@ def padded_head_dim(head_dim: int) -> int:
 
 def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     """Tile settings: keys per tile, extend row-tile height, warps, stages, prefetch, programs per SM,
-    register cap (``max_registers``); decode entries may carry ``tall`` and ``solo`` (`decode_tiles`).
+    register cap (``max_registers``); decode entries may carry ``tall``, ``solo`` and ``packed``
+    (`decode_tiles`).
 
     Head dims above 128 keep smaller key tiles (registers), on 8 warps except 4-bit mse decode
     at D <= 256 (measured), with no register cap; other formats there are not tuned separately.
@@ -128,6 +139,7 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
         tiles.update(block_n=32 if d_pad <= 256 else 16, num_warps=8, max_registers=None)
         tiles.pop("tall", None)
         tiles.pop("solo", None)
+        tiles.pop("packed", None)
         if path == "decode" and kind in ("mse4", "mse3"):
             # mse decode keeps the prefetch and 4 programs per SM on wider heads (not measured
             # for 3-bit keys), except 4-bit keys at D <= 256 below. Without the prefetch D = 256
@@ -155,15 +167,19 @@ def attention_tiles(d_pad: int, interpret: bool, path: str, kind: str) -> dict:
     return tiles
 
 
-def decode_tiles(tiles: dict, group_size: int) -> dict:
+def decode_tiles(tiles: dict, group_size: int, packed: bool = False) -> dict:
     """The decode path's `attention_tiles` for GQA groups of ``group_size`` query heads: with the
-    entry's ``tall`` settings when the tile (`decode_block_m`) is over 16 rows and its ``solo``
-    settings when the group is one head (and without those keys)."""
-    out = {k: v for k, v in tiles.items() if k not in ("tall", "solo")}
+    entry's ``tall`` settings when the tile (`decode_block_m`) is over 16 rows, else its ``solo``
+    settings when the group is one head, then its ``packed`` settings for tiles read as packed
+    operands (`kv_tiles.TileSpec.key_entries`, ``packed``); without those keys."""
+    out = {k: v for k, v in tiles.items() if k not in ("tall", "solo", "packed")}
     if decode_block_m(group_size) > 16:
         out.update(tiles.get("tall", {}))
+        return out
     if group_size == 1:
         out.update(tiles.get("solo", {}))
+    if packed:
+        out.update(tiles.get("packed", {}))
     return out
 
 
