@@ -170,20 +170,23 @@ def store_kv(key, value, kv_cache, slot_mapping, *, mesh, axis="kv", preset, rot
     return shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=kv_cache_spec(axis))(*args)
 
 
-def _auto_num_splits(lay, query_shape, cache_shape, block_table_shape, *, interpret: bool) -> int:
+def _auto_num_splits(lay, query_shape, cache_shape, block_table_shape, *, interpret: bool,
+                     key_entries=None) -> int:
     """The decode split count `tq_jax.paged_attention` picks automatically for these shapes.
 
     Mirrors the kernels' own choice (``tq_jax._src.attention._attend``) so that
     every shard can be given the count of the *global* problem;
     ``tests/jax/test_jax_sharding.py`` checks the mirror against the count the
-    op actually uses, for the Triton and the interpret settings.
+    op actually uses, for the Triton and the interpret settings. ``key_entries``:
+    what the op passes (`_global_key_entries`); the packed-operand tiles take
+    their own settings on the GPU.
     """
     t, hq, d = (int(v) for v in query_shape)
     _, page, hkv, _ = (int(v) for v in cache_shape)
     b, cols = (int(v) for v in block_table_shape)
     if _config is not None:
         tiles = _config.attention_tiles(_config.padded_head_dim(d), interpret, "decode", _config.key_kind(lay.preset))
-        tiles = _config.decode_tiles(tiles, hq // hkv)
+        tiles = _config.decode_tiles(tiles, hq // hkv, packed=key_entries is not None and not interpret)
         return int(_config.decode_num_splits(
             num_seqs=b, num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, head_dim=d, max_context=cols * page,
             block_n=tiles["block_n"], interpret=interpret, programs_per_sm=tiles["programs_per_sm"]))
@@ -191,6 +194,14 @@ def _auto_num_splits(lay, query_shape, cache_shape, block_table_shape, *, interp
     spec = _attention.tile_spec(lay, cache_shape, word_view=False, interpret=interpret)
     return int(_attention.default_num_splits(b, hkv, cols * page, spec.block_n,
                                              partial_bytes_per_split=t * hkv * rows * (spec.head_dim_padded + 2) * 4))
+
+
+def _global_key_entries(lay, query, block_table, path: str, rotation, codebook):
+    """The constant key-table entries `tq_jax.paged_attention` passes for the global problem
+    (``attention._default_key_entries``: the block table is replicated, so every shard sees
+    the global batch)."""
+    return _attention._default_key_entries(lay.preset, int(query.shape[2]), query.dtype, path, rotation, codebook,
+                                           num_seqs=int(block_table.shape[0]))
 
 
 def _global_path(lay, query, kv_cache, block_table, *, sliding_window, path) -> str:
@@ -228,15 +239,18 @@ def paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, 
     chosen = _global_path(lay, query, kv_cache, block_table, sliding_window=sliding_window, path=path)
     kp = resolve(lay.preset, d, rotation, codebook)
     shapes = (query.shape, kv_cache.shape, block_table.shape)
+    entries = _global_key_entries(lay, query, block_table, chosen, rotation, codebook)
     launch = functools.partial(
         _attention._paged_attention, preset_name=lay.preset.name,
         scale=float(1.0 / math.sqrt(d) if scale is None else scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), path=chosen)
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), path=chosen,
+        key_entries=entries)
 
     def call(*arrays, interpret):
         # Per lowering platform: the split count depends on the Triton vs interpret tile settings.
-        splits = _auto_num_splits(lay, *shapes, interpret=interpret) if chosen == "decode" else None
+        splits = (_auto_num_splits(lay, *shapes, interpret=interpret, key_entries=entries)
+                  if chosen == "decode" else None)
         return launch(*arrays, num_splits=splits, interpret=interpret)
 
     heads, rep = heads_spec(axis), PartitionSpec()

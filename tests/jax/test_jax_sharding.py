@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKS = ("store", "decode_global_splits", "extend_window_softcap_sinks", "nnx_attention_donated", "mesh_2d",
-          "errors")
+CHECKS = ("store", "decode_global_splits", "decode_packed_operands", "extend_window_softcap_sinks",
+          "nnx_attention_donated", "mesh_2d", "errors")
 _NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
 # Eigen's multi-threaded contractions split a dot's work by the shape and the thread pool, so a
 # shard's smaller dot can sum in another order than the whole one: on a 2-core AMD EPYC CI machine
@@ -168,6 +168,21 @@ def run_checks(devices, names=CHECKS) -> dict:
             if not interp and own == glob:
                 raise AssertionError(f"case too weak: a shard's own split count equals the global one {glob}")
 
+    def check_decode_packed_operands():
+        # A 16-bit query over 8 sequences: the single-device op's packed-operand decode on a GPU
+        # (constant key-table entries and their own tile settings, `attention._default_key_entries`);
+        # every shard must run the same.
+        seq_lens = np.array([96, 37, 9, 200, 1, 64, 17, 130], np.int32)
+        cols = 13
+        cache, table = filled_cache(seq_lens, 8 * cols, cols)
+        q = jnp.asarray(rng.standard_normal((8, 8, d)), jnp.bfloat16)
+        qsl = np.arange(9, dtype=np.int32)
+        assert sharding._global_key_entries(tq_spec.layout(preset, d), q, table, "decode", None, None) is not None
+        placed = jax.device_put(cache, sharding.cache_sharding(mesh, "kv"))
+        ref = tq_jax.paged_attention(q, cache, table, seq_lens, qsl, preset=preset)
+        out = sharding.paged_attention(q, placed, table, seq_lens, qsl, mesh=mesh, axis="kv", preset=preset)
+        same(out, ref, "decode, packed operands")
+
     def check_extend():
         seq_lens = np.array([40, 9, 23], np.int32)
         q_lens = np.array([12, 9, 1], np.int32)
@@ -276,7 +291,7 @@ def run_checks(devices, names=CHECKS) -> dict:
             sharding.paged_attention(q, cache, *meta, mesh=mesh, axis="tp", preset=preset)
 
     table = {"store": check_store, "decode_global_splits": check_decode_global_splits,
-             "extend_window_softcap_sinks": check_extend, "nnx_attention_donated": check_nnx,
+             "decode_packed_operands": check_decode_packed_operands, "extend_window_softcap_sinks": check_extend, "nnx_attention_donated": check_nnx,
              "mesh_2d": check_mesh_2d, "errors": check_errors}
     results = {}
     for name in names:
@@ -329,7 +344,8 @@ def test_sharded_ops_match_single_device_on_4_cpu_devices(cpu4_results, name):
 @pytest.mark.parametrize("interpret", [False, True], ids=["triton", "interpret"])
 def test_split_count_mirror_matches_the_op(interpret):
     """`tq_jax.sharding` gives every shard the split count the single-device op picks for the global
-    shapes; its mirror of the kernels' heuristic must agree with what the op really launches."""
+    shapes; its mirror of the kernels' heuristic must agree with what the op really launches,
+    including the packed-operand tiles of 4bit_nc batches of 8+ sequences (their own settings)."""
     import jax
     import jax.numpy as jnp
 
@@ -340,7 +356,9 @@ def test_split_count_mirror_matches_the_op(interpret):
     cases = [  # (T, Hq, Hkv, D, B, max_blocks, page, preset)
         (4, 8, 4, 64, 4, 300, 16, "turboquant_4bit_nc"), (1, 32, 8, 128, 1, 2048, 16, "turboquant_3bit_nc"),
         (64, 16, 2, 128, 64, 64, 16, "turboquant_k8v4"), (8, 14, 2, 64, 8, 9, 16, "bf16"),
-        (3, 28, 4, 256, 3, 40, 32, "fp16"), (16, 64, 4, 128, 16, 512, 16, "turboquant_4bit_nc")]
+        (3, 28, 4, 256, 3, 40, 32, "fp16"), (16, 64, 4, 128, 16, 512, 16, "turboquant_4bit_nc"),
+        (8, 8, 8, 128, 8, 512, 16, "turboquant_4bit_nc")]
+    packed = 0
     for t, hq, hkv, d, b, cols, page, preset in cases:
         lay = tq_spec.layout(preset, d)
         q = jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16)
@@ -349,8 +367,12 @@ def test_split_count_mirror_matches_the_op(interpret):
                 jax.ShapeDtypeStruct((b + 1,), jnp.int32))
         seen = traced_decode_splits(lambda *a: tq_jax.paged_attention(*a, preset=preset, path="decode",
                                                                       interpret=interpret), q, cache, *meta)
-        want = sharding._auto_num_splits(lay, q.shape, cache.shape, meta[0].shape, interpret=interpret)
+        entries = sharding._global_key_entries(lay, q, meta[0], "decode", None, None)
+        packed += entries is not None
+        want = sharding._auto_num_splits(lay, q.shape, cache.shape, meta[0].shape, interpret=interpret,
+                                         key_entries=entries)
         assert seen == [want], (t, hq, hkv, d, b, cols, page, preset, seen, want)
+    assert packed == 2
 
 
 def test_path_mirror_matches_the_op():
