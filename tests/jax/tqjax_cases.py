@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tq_spec
-from tq_jax._src.attention import _paged_attention, query_rotation
+from tq_jax._src.attention import _default_key_entries, _paged_attention, query_rotation
 from tq_jax._src.params import resolve
 
 GARBAGE_BYTE = 0xFF
@@ -166,7 +166,9 @@ def skip_if_ineligible(case, path) -> None:
 
 
 def attend(case, path, *, num_splits=None, word_view=None):
-    """Runs one path on `case` with poisoned outputs (private entry, no re-validation)."""
+    """Runs one path on `case` with poisoned outputs (private entry, no re-validation), with the
+    constant key-table entries the public op passes (`attention._default_key_entries`: on a GPU,
+    decode of 4bit_nc batches of 8+ sequences with a 16-bit query runs its packed-operand tiles)."""
     d = case.query.shape[-1]
     kp = resolve(case.preset, d, case.rotation)
     rot, rotation_scale = query_rotation(tq_spec.get_preset(case.preset), d, case.rotation, kp.rotation,
@@ -178,4 +180,6 @@ def attend(case, path, *, num_splits=None, word_view=None):
         scale=float(1.0 / math.sqrt(d) if scale is None else scale), sliding_window=kw.get("sliding_window"),
         logits_soft_cap=kw.get("logits_soft_cap"), path=path, num_splits=num_splits, interpret=None,
         word_view=word_view, poison=True, rotation_scale=rotation_scale,
+        key_entries=_default_key_entries(tq_spec.get_preset(case.preset), d, case.query.dtype, path, case.rotation,
+                                         None, num_seqs=int(case.block_table.shape[0])),
     )
