@@ -291,8 +291,8 @@ def run_checks(devices, names=CHECKS) -> dict:
             sharding.paged_attention(q, cache, *meta, mesh=mesh, axis="tp", preset=preset)
 
     table = {"store": check_store, "decode_global_splits": check_decode_global_splits,
-             "decode_packed_operands": check_decode_packed_operands, "extend_window_softcap_sinks": check_extend, "nnx_attention_donated": check_nnx,
-             "mesh_2d": check_mesh_2d, "errors": check_errors}
+             "decode_packed_operands": check_decode_packed_operands, "extend_window_softcap_sinks": check_extend,
+             "nnx_attention_donated": check_nnx, "mesh_2d": check_mesh_2d, "errors": check_errors}
     results = {}
     for name in names:
         try:

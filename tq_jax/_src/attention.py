@@ -259,8 +259,9 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, si
         query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids)
 
 
-# Smallest batch whose decode takes constant table entries (see `_attend`); measured at 1 (slower)
-# and 32 (faster), not in between.
+# Smallest batch whose decode takes constant table entries (`_default_key_entries`): measured
+# faster at 32 sequences; at 1 the loop without the prefetch read slower (steps.md, sessions 28
+# and 29: that row is host-bound and noisy); not measured in between.
 CONSTANT_ENTRY_MIN_SEQS = 8
 
 
@@ -365,9 +366,6 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
         max_blocks=int(block_table.shape[1]), block_n=tiles["block_n"], head_dim_padded=d_pad,
         compute_dtype=cdt, use_ptx=not interpret,
         fp8_convert=config.fp8_hardware_convert(interpret), shuffle_lookup=not interpret,
-        # Constant table entries on the GPU's decode path (`kv_tiles.TileSpec.key_entries`). Their
-        # loop runs without the hand prefetch: a raw tile carried from the last step is defined
-        # outside the loop body, which keeps the decoded tiles in shared memory.
         key_entries=key_entries if constant_entries else None,
         prefetch=tiles["prefetch"] and not constant_entries,
     )

@@ -353,36 +353,25 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def lane_table_entry(entries, shape):
+def lane_table_entry(entries, shape, like=None):
     """GPU only. ``int32 shape``, every element holding ``entries[lane % len(entries)]`` for the lane
-    (of the warp) that holds it; ``entries``: a list of int32 scalars, a power of two <= 32 of them.
+    (of the warp) that holds it; ``entries``: int32 scalars or Python ints, a power of two <= 32 of
+    them.
 
-    Built from the lane id by a select chain on scalars: every element of a thread gets the same
-    value from the same operands, so the compiler keeps one register per thread and hoists it
-    out of loops; no memory is read per element.
+    Built from the lane id by a select chain: every element of a thread gets the same value from
+    the same operands, so the compiler keeps one register per thread and hoists it out of loops;
+    no memory is read per element. ``like``: an int32 ``shape`` tile of the loop body to feed the
+    lane-id asm (else zeros). With constant entries every operand is then loop-variant or a
+    constant, which lets Triton move a layout conversion of the dot operands this entry feeds back
+    onto ``like`` (a tile defined outside the loop stops that); ptxas still computes the chain once
+    per thread.
     """
     [lane] = pltriton.elementwise_inline_asm(
-        "mov.u32 $0, %laneid;", args=[jnp.zeros(shape, jnp.int32)], constraints="=r,r", pack=1,
+        "mov.u32 $0, %laneid;", args=[jnp.zeros(shape, jnp.int32) if like is None else like],
+        constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32)])
     lane = lane & (len(entries) - 1)
     entry = jnp.full(shape, entries[0], jnp.int32)
-    for k in range(1, len(entries)):
-        entry = jnp.where(lane == k, entries[k], entry)
-    return entry
-
-
-def constant_lane_entry(like, entries):
-    """GPU only. `lane_table_entry` of constant ``entries`` (int32 Python ints), built from the
-    lane id of an asm fed ``like`` (an int32 tile of the loop body): every operand is then
-    loop-variant or a constant, which lets Triton move a layout conversion of the dot operands
-    this entry feeds back onto ``like`` (a tile defined outside the loop stops that). ptxas
-    computes the select chain once per thread.
-    """
-    [lane] = pltriton.elementwise_inline_asm(
-        "mov.u32 $0, %laneid;", args=[like], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(like.shape, jnp.int32)])
-    lane = lane & (len(entries) - 1)
-    entry = jnp.full(like.shape, entries[0], jnp.int32)
     for k in range(1, len(entries)):
         entry = jnp.where(lane == k, entries[k], entry)
     return entry

@@ -347,7 +347,7 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
                 fields = km.unmasked_fields(km.group_words(*raw.key), 3, 8)
             even, odd = km.interleave_fields(fields[0::2]), km.interleave_fields(fields[1::2])
         if spec.key_entries is not None and spec.shuffle_lookup:
-            entry = km.constant_lane_entry(even, spec.key_entries)
+            entry = km.lane_table_entry(spec.key_entries, even.shape, like=even)
 
             def lookup(codes):
                 return km.shuffle_lookup(codes, entry)
