@@ -335,9 +335,12 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
     tables = None
     if centroids is not None:
         tables = key_tables(centroids, lay.preset.key_bits, cdt, lay.preset.norm_correction)
-    if word_view is None:
-        word_view = needs_word_view(kv_cache.shape)
-    cache = to_word_view(kv_cache) if word_view else kv_cache
+    if kv_cache.dtype.itemsize == 2:  # the dequant workspace: 16-bit elements, a word view already
+        word_view, cache = True, kv_cache
+    else:
+        if word_view is None:
+            word_view = needs_word_view(kv_cache.shape)
+        cache = to_word_view(kv_cache) if word_view else kv_cache
     if path not in PATHS:
         raise ValueError(f"path: expected one of {tuple(PATHS)} after dispatch, got {path!r}")
     if path == "dequant":

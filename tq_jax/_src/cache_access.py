@@ -94,7 +94,8 @@ class WordFields:
 class CacheWords:
     """Word loads/stores on the cache ref, whichever view the kernel received.
 
-    ``word_view``: the ref is uint16 ``[N, P, Hkv, S/2]``; else uint8 ``[N, P, Hkv, S]``.
+    ``word_view``: the ref is uint16 ``[N, P, Hkv, S/2]`` (or float16/bfloat16, the dequant
+    workspace, whose raw fields `load_halves` reads as they are); else uint8 ``[N, P, Hkv, S]``.
     Index arguments broadcast against each other (scalars or int32 arrays).
     """
 
@@ -140,6 +141,21 @@ class CacheWords:
             m = _and_masks(mask, w < count if count < width else None)
             return _load(ref, (blk[:, None], off[:, None], head, byte0 // 2 + w), m).astype(jnp.int32)
         return km.bytes_to_words(self.load_bytes(ref, blk, off, head, byte0, 2 * width, 2 * count, mask))
+
+    def load_halves(self, ref, blk, off, head, byte0: int, width: int, count: int, mask):
+        """``[BN, width]`` 16-bit elements of the field at byte ``byte0`` (fp16/bf16 keys or
+        values): the ref's own elements where it is a float16/bfloat16 view (the dequant
+        workspace), else int32 words (`load_words`).
+
+        A float view hands a dot its operand straight from the load: Triton then feeds the
+        MMA from the pipelined copy in shared memory, where a tile of words would first
+        come into registers to be bitcast and go back to shared memory.
+        """
+        if not (self.word_view and jnp.issubdtype(ref.dtype, jnp.floating)):
+            return self.load_words(ref, blk, off, head, byte0, width, count, mask)
+        w = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        m = _and_masks(mask, w < count if count < width else None)
+        return _load(ref, (blk[:, None], off[:, None], head, byte0 // 2 + w), m)
 
     def load_byte_planes(self, ref, blk, off, head, byte0: int, groups: int, count: int, mask):
         """Three uint8 ``[BN, groups]`` planes: bytes ``byte0 + 3g + i`` (i = 0, 1, 2) of each slot.

@@ -279,9 +279,15 @@ def fp8_bytes_to_float(x, dtype):
 
 
 def half_words_to_float(word, dtype_name: str, dtype):
-    """16-bit patterns (int32) read as fp16/bf16 (`dtype_name`), converted to `dtype`."""
+    """16-bit patterns (int32) read as fp16/bf16 (`dtype_name`), converted to `dtype`; elements
+    already of that float type (`CacheWords.load_halves` on a float view) are only converted."""
     half = jnp.float16 if dtype_name == "float16" else jnp.bfloat16
-    x = lax.bitcast_convert_type(word.astype(jnp.uint16), half)
+    if jnp.issubdtype(word.dtype, jnp.floating):
+        if word.dtype != jnp.dtype(half):
+            raise TypeError(f"word: expected {jnp.dtype(half).name} elements or int32 patterns, got {word.dtype}")
+        x = word
+    else:
+        x = lax.bitcast_convert_type(word.astype(jnp.uint16), half)
     return x if jnp.dtype(dtype) == jnp.dtype(half) else x.astype(dtype)
 
 

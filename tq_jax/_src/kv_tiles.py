@@ -177,6 +177,8 @@ def fetch_kv_tile(spec: TileSpec, cache_ref, blk, start, kv_head, valid) -> RawT
             return acc.load_byte_planes(cache_ref, blk, off, kv_head, byte0, dp // 8, d // 8, valid)
         if bits == 4 and not as_bytes:  # 16-bit words: four codes each, split by shifts alone
             return (acc.load_words(cache_ref, blk, off, kv_head, byte0, dp // 4, d // 4, valid),)
+        if bits == 16:  # fp16/bf16 elements
+            return (acc.load_halves(cache_ref, blk, off, kv_head, byte0, dp, d, valid),)
         return (acc.load_bytes(cache_ref, blk, off, kv_head, byte0, dp * bits // 8, d * bits // 8, valid),)
 
     def half(byte):
@@ -319,7 +321,7 @@ def decode_key_tile(spec: TileSpec, raw: RawTile, tab_ref, rows: int, entries=No
     p = spec.lay.preset
     cdt = spec.compute_dtype
     if p.key_format == "raw":
-        return (km.half_words_to_float(km.bytes_to_words(raw.key[0]), p.raw_dtype, cdt),), None
+        return (km.half_words_to_float(raw.key[0], p.raw_dtype, cdt),), None
     if p.key_format == "fp8":
         if spec.fp8_convert:
             return (km.fp8_bytes_to_float(raw.key[0], cdt),), None
@@ -406,7 +408,7 @@ def decode_value_tile(spec: TileSpec, raw: RawTile):
     p = spec.lay.preset
     cdt = spec.compute_dtype
     if p.value_format == "raw":
-        return km.half_words_to_float(km.bytes_to_words(raw.value[0]), p.raw_dtype, cdt), None, None, 0.0
+        return km.half_words_to_float(raw.value[0], p.raw_dtype, cdt), None, None, 0.0
     name = jnp.dtype(cdt).name
     if name not in _BIASED_CODE_BITS:
         v, bias = _codes(raw.value, p.value_bits).astype(cdt), 0.0

@@ -5,7 +5,7 @@ The extend path dequantises each key tile once per query-row tile, so a long
 prefill decodes every key many times. Here each page is decoded once
 (`_dequantize_pages_kernel`, one program per (block-table entry, kv head), the
 attention kernel's own tile fetch and decode) into ``workspace [B * max_blocks,
-P, Hkv, 4 * D]`` bytes in the raw preset layout of the query's dtype
+P, Hkv, 2 * D]`` elements of the query's dtype, the slots of that dtype's raw preset
 (``bf16``/``fp16``: D keys then D values):
 
 * keys in scoring space, ``k = factor * c`` (mse: rotated space, factor
@@ -59,9 +59,10 @@ def dequantize_pages(cache, block_table, seq_lens, centroids, *, preset_name: st
       interpret: Pallas interpret mode (CPU) or the Triton lowering.
 
     Returns:
-      ``(workspace uint8[B * max_blocks, P, Hkv, 4 * D], table int32[B, max_blocks])`` in the
-      raw layout of `workspace_preset`, and its block table (-1 where unused). Pages whose
-      entry is -1 are not written (their bytes are unspecified).
+      ``(workspace ws_dtype[B * max_blocks, P, Hkv, 2 * D], table int32[B, max_blocks])``: the
+      slots of `workspace_preset`'s raw layout as 16-bit elements (the attention kernels take
+      it as a float word view, `cache_access.CacheWords.load_halves`), and its block table (-1
+      where unused). Pages whose entry is -1 are not written (their elements are unspecified).
     """
     n, page, hkv, _ = cache.shape
     b, max_blocks = block_table.shape
@@ -82,12 +83,11 @@ def dequantize_pages(cache, block_table, seq_lens, centroids, *, preset_name: st
         grid=(b * max_blocks, hkv),
         **pallas_kwargs(interpret=interpret, name="tq_dequantize_pages", num_warps=4),
     )(*operands)
-    workspace = lax.bitcast_convert_type(ws, jnp.uint8).reshape(b * max_blocks, page, hkv, 4 * head_dim)
     col = lax.broadcasted_iota(jnp.int32, (b, max_blocks), 1)
     lens = jnp.clip(seq_lens, 0, max_blocks * page)[:, None]
     table = jnp.where(_holds_keys(block_table, lens, col, page, n),
                       lax.broadcasted_iota(jnp.int32, (b, max_blocks), 0) * max_blocks + col, -1)
-    return workspace, table.astype(jnp.int32)
+    return ws, table.astype(jnp.int32)
 
 
 def _keys_per_step(page: int, d_pad: int) -> int:
