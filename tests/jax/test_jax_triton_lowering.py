@@ -119,11 +119,16 @@ def test_attention_kernels_lower_to_triton(triton_modules, cfg, path):
     )
     if path == "dequant":
         # First the pages into the 16-bit workspace (float32 decode: no dots), then the extend tiles.
-        assert len(triton_modules) == 2
+        assert len(triton_modules) == 3
         decode_pages = triton_modules.pop(0)
         assert decode_pages.startswith("module @tq_dequantize_pages"), decode_pages[:200]
         assert "tt.store" in decode_pages and "tt.dot" not in decode_pages
         assert f"!tt.ptr<{_MLIR_TYPE[q_dtype]}>" in decode_pages  # written in the query's dtype
+    if path != "decode":
+        # Last, the rows no sequence owns are zeroed in place (`extend.zero_padding_rows`).
+        zero_rows = triton_modules.pop()
+        assert zero_rows.startswith("module @tq_zero_padding_rows"), zero_rows[:200]
+        assert "tt.store" in zero_rows and "tt.load" in zero_rows and "tt.dot" not in zero_rows
     assert len(triton_modules) == 1
     if path == "dequant":
         # The workspace reaches the attention kernel as 16-bit floats, not bytes or words: its
@@ -352,7 +357,8 @@ def test_register_cap_reaches_the_compiled_kernel(triton_modules, hq, path, capp
         fn, S((4, hq, d), jnp.bfloat16), S((40, 16, hkv, lay.slot_bytes), jnp.uint8), S((4, 10), jnp.int32),
         S((4,), jnp.int32), S((5,), jnp.int32), None, S((d, d), jnp.float32), S((16,), jnp.float32),
     )
-    (module,) = triton_modules
+    module = triton_modules[0]  # the attention kernel (the extend path then zeros padding rows)
+    assert len(triton_modules) == (1 if path == "decode" else 2)
     tiles = config.attention_tiles(128, False, path, config.key_kind(preset))
     if path == "decode":
         tiles = config.decode_tiles(tiles, hq // hkv)

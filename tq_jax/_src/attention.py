@@ -313,9 +313,10 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
                   preset_name=preset_name, scale=scale, sliding_window=sliding_window,
                   logits_soft_cap=logits_soft_cap, path=path, num_splits=num_splits, interpret=interpret,
                   word_view=word_view, poison=poison, rotation_scale=rotation_scale, key_entries=key_entries)
-    # Padding rows (T bucketed past query_start_loc[B]) belong to no sequence:
-    # no kernel writes them, so they are zeroed here, fused into the decode
-    # merge (one select over the output on the extend path; no host sync).
+    if path != "decode":  # the extend kernels zero padding rows themselves (`extend.zero_padding_rows`)
+        return out
+    # Padding rows (T bucketed past query_start_loc[B]) belong to no sequence: the decode
+    # merge's kernel does not write them, so they are zeroed here, fused into the merge.
     row = lax.broadcasted_iota(jnp.int32, (t, 1, 1), 0)
     owned = (row >= query_start_loc[0]) & (row < query_start_loc[-1])
     return jnp.where(owned, out, jnp.zeros((), out.dtype))
@@ -324,7 +325,8 @@ def paged_attention_call(query, kv_cache, block_table, seq_lens, query_start_loc
 def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rotation, centroids, *,
             preset_name, scale, sliding_window, logits_soft_cap, path, num_splits, interpret, word_view,
             poison, rotation_scale=None, key_entries=None):
-    """The chosen path's kernel (+ the decode merge): ``[T, Hq, D]``, padding rows unspecified."""
+    """The chosen path's kernel (+ the decode merge): ``[T, Hq, D]``; padding rows are zero on the
+    extend and dequant paths, unspecified on the decode path."""
     t, hq, d = query.shape
     n, page, hkv, _ = kv_cache.shape
     group = hq // hkv
