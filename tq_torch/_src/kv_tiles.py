@@ -190,7 +190,8 @@ def _load_words(ptrs, key_valid, in_field, MASK_KEYS: tl.constexpr, PADDED: tl.c
 def decode_field(a, b, c, BITS: tl.constexpr, CLEAN: tl.constexpr = True):
     """Codes ``[BN, D_PAD]`` int32 in element order from `fetch_field`'s raw words.
 
-    (``BITS`` 16 returns the raw 16-bit patterns.) Codes are an LSB-first bit
+    (``BITS`` 16 returns the loaded elements as they are: int16 patterns, or fp16/bf16
+    elements where the cache came as a float view, the dequant workspace.) Codes are an LSB-first bit
     stream: word ``i``'s field ``j`` is element ``i * fields + j``. ``CLEAN``
     False (3- and 4-bit codes): the bits above each code are left as they are,
     for a consumer that reads only the code's bits (`kernel_math.table_lookup`
@@ -353,12 +354,14 @@ def decode_value_tile(va, vb, vc, vscale, vzero, key_valid,
     Uniform codes come back as the integer codes (exact in any dot dtype) and
     the fp16 scale/zero per key, so the caller folds the scale into P and the
     zero into one row sum instead of dequantising every element. Raw values
-    come back as they are with scale 1, zero 0 (0 for invalid keys).
+    come back as they are with scale 1, zero 0 (0 for keys whose loads were masked).
     """
     if VALUE_FORMAT == 0:
+        # Raw values are loaded with their keys' mask (never `ANY_PAGE`), so keys outside the
+        # cache come as zeros; a NaN/Inf value of a key in the cache but hidden from a row is
+        # `_key_loop`'s to keep out (`masked_raw_value_dot`). No select here: it would bring
+        # the tile into registers on its way to the dot.
         v = decode_field(va, vb, vc, VALUE_FIELD_BITS).to(RAW_DTYPE, bitcast=True).to(tl.float32)
-        # where, not multiply: a garbage raw value may be NaN or Inf.
-        v = tl.where(key_valid[:, None], v, 0.0)
         scale = tl.full(key_valid.shape, 1.0, tl.float32)
         zero = tl.zeros(key_valid.shape, tl.float32)
     else:

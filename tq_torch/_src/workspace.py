@@ -116,5 +116,9 @@ def launch_dequant(q, out, kv_cache, cache_i16, centroids, block_table, seq_lens
     raw_fmt = config.format_constexprs(tq_spec.layout(workspace_preset(ws_dtype), fmt["D"]))
     common = dict(common, num_warps=raw_tiles["num_warps"], num_stages=raw_tiles["num_stages"],
                   maxnreg=raw_tiles["maxnreg"], prefetch=raw_tiles["prefetch"], block_n=raw_tiles["block_n"])
-    launch_extend(q, out, ws, ws.view(torch.int16), centroids, ws_table, seq_lens, query_start_loc, sinks,
+    # The kernel reads the workspace through a view in its own 16-bit float type: the raw K/V
+    # tiles then feed the dots straight from the pipelined copy in shared memory, where int16
+    # words would come into registers for the bitcast and go back (tq_jax's float view,
+    # `cache_access.CacheWords.load_halves`).
+    launch_extend(q, out, ws, ws.view(ws_dtype), centroids, ws_table, seq_lens, query_start_loc, sinks,
                   fmt=raw_fmt, block_m=raw_tiles["extend_block_m"], **common)
