@@ -2,7 +2,7 @@
 (prefill, chunked prefill, prefix-cached continuation, mixed batches; any q_len).
 Rows outside ``[query_start_loc[0], query_start_loc[B])`` (padding) are zeroed by a second, tiny kernel.
 
-See `attention_kernel` for the tiling. Tiles are tall (``block_m`` 64 rows on
+See `attention_kernel` for the tiling. Tiles are tall (``block_m`` 128 rows on
 the GPU at head_dim <= 128) so long prefills reuse each decoded key tile across
 many queries.
 """
