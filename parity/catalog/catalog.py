@@ -402,6 +402,12 @@ def _splits() -> list[Sweep]:
         Sweep("splits", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
                              seqs=((3000, 1), (17, 1), (1, 1), (0, 0)), decode_splits=(1, 64)),
               {"preset": ALL_PRESETS}, modes=("full",)),
+        # Nine sequences: on a GPU, tq_jax decodes batches of 8 or more 4bit_nc sequences with its
+        # packed-operand tiles (constant key-table entries), so forced counts reach that kernel too.
+        Sweep("splits", dict(head_dim=128, num_q_heads=8, num_kv_heads=2, block_size=16,
+                             seqs=((3000, 1), (17, 1), (1, 1), (0, 0), (700, 1), (64, 1), (33, 1), (2, 1),
+                                   (129, 1)), decode_splits=(1, 64)),
+              {"preset": ("turboquant_4bit_nc",)}, modes=("full",)),
     ]
 
 

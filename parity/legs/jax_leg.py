@@ -61,11 +61,12 @@ class JaxLeg(KernelModuleLeg):
                                rotation=None, codebook=None):
         # tq_jax's public op picks the split count from shapes; its jitted private entry takes a
         # count (the hook tq_jax's own tests use). It skips the public op's argument checks, which
-        # the other paths of the same case run.
+        # the other paths of the same case run, and gets the constant key-table entries the public
+        # op would pass (on a GPU, 4bit_nc batches of 8+ sequences run the packed-operand decode).
         import math
 
         import tq_spec
-        from tq_jax._src.attention import _paged_attention, query_rotation
+        from tq_jax._src.attention import _default_key_entries, _paged_attention, query_rotation
         from tq_jax._src.params import resolve
 
         lay = tq_spec.layout(preset, int(query.shape[-1]))
@@ -77,7 +78,9 @@ class JaxLeg(KernelModuleLeg):
             scale=float(1.0 / math.sqrt(lay.head_dim) if scale is None else scale),
             sliding_window=None if sliding_window is None else int(sliding_window),
             logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-            path="decode", num_splits=int(num_splits), interpret=None, rotation_scale=rotation_scale)
+            path="decode", num_splits=int(num_splits), interpret=None, rotation_scale=rotation_scale,
+            key_entries=_default_key_entries(lay.preset, lay.head_dim, query.dtype, "decode", rotation, codebook,
+                                             num_seqs=int(block_table.shape[0])))
         return self._jax.block_until_ready(out)
 
 
