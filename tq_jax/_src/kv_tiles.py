@@ -91,11 +91,20 @@ class TileSpec:
 
 
 class RawTile(NamedTuple):
-    """The loaded, not yet decoded bytes of one K/V tile (the prefetch carry)."""
+    """The loaded, not yet decoded fields of one K/V tile (the prefetch carry); each is a tuple
+    of what `fetch_kv_tile` loaded for its code width:
 
-    key: tuple  # (bytes [BN, Dp * bits / 8],) or three 3-bit byte planes [BN, Dp / 8]
+    * 3-bit codes: three byte planes ``[BN, Dp / 8]``;
+    * 4-bit codes: int32 16-bit words ``[BN, Dp / 4]`` (bytes ``[BN, Dp / 2]`` for keys read
+      with constant table entries, `TileSpec.key_entries`);
+    * 8-bit codes: bytes ``[BN, Dp]``;
+    * raw 16-bit elements: ``[BN, Dp]`` in the cache's float dtype for a float16/bfloat16
+      view (the dequant workspace), else int32 16-bit words (`CacheWords.load_halves`).
+    """
+
+    key: tuple
     key_norm: object  # int32 [BN] fp16 bits, or None
-    value: tuple
+    value: tuple  # as `key`
     value_scale: object  # int32 [BN] fp16 bits, or None
     value_zero: object
 
