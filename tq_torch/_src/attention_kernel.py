@@ -257,7 +257,12 @@ def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs
 
 def launch_tiles_spec(spec: tuple, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
                       seq_lens, query_start_loc, sinks, sm_scale: float, softcap: float, window: int) -> None:
-    """Launches `paged_attention_kernel` with a `tiles_spec` of these tensors' static shapes."""
+    """Launches `paged_attention_kernel` with a `tiles_spec` of these tensors' static shapes.
+
+    ``cache_i16``: the cache as 2-byte elements, for its 2-byte fields: an int16 view of a
+    uint8 cache, or the dequant workspace's own float16/bfloat16 view (`workspace.launch_dequant`:
+    its raw tiles then reach the dots without a bitcast).
+    """
     grid, ints, sites = spec
     qs, os_, cs = q.stride(), out.stride(), kv_cache.stride()
     sites[softcap > 0](
