@@ -26,10 +26,11 @@ def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    # One mse preset with a 3-bit (straddling) key stream and one raw preset,
-    # D=128 bf16: every kernel (store, tile in both modes, merge) of two formats.
+    # One mse preset with a 3-bit (straddling) key stream, fp8 keys and one raw preset,
+    # D=128 bf16: every kernel (store, tile in both modes, merge) of three formats.
     proc = subprocess.run(
-        [sys.executable, "-m", "tq_torch._src.lowering", "--quick", "--only", "turboquant_k3v4_nc,bf16/"],
+        [sys.executable, "-m", "tq_torch._src.lowering", "--quick", "--only",
+         "turboquant_k3v4_nc,turboquant_k8v4,bf16/"],
         env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
@@ -49,3 +50,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     float_tiles = [path for path in ttgir if re.search(
         r"async_copy_global_to_local .*: tensor<\d+x\d+x!tt\.ptr<bf16>", path.read_text())]
     assert float_tiles, "no attention kernel copies bf16 K/V tiles (the dequant workspace's float view)"
+    # fp8 keys with the hand prefetch ask L2 for the tile after next (`attention_kernel.l2_prefetch`),
+    # and only they: the kernels of the other two formats have no prefetch.
+    ptx = [path.read_text() for path in sorted((tmp_path / "triton-cache").glob("*/paged_attention_kernel.ptx"))]
+    asking = [text for text in ptx if "prefetch.global.L2" in text]
+    assert asking, "no attention kernel asks L2 for coming K/V lines (fp8 keys should)"
+    assert all("e4m3" in text for text in asking), "a kernel without fp8 keys asks L2 for K/V lines"

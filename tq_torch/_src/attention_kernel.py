@@ -127,7 +127,7 @@ def paged_attention_kernel(
     VALUE_OFF: tl.constexpr, VALUE_SCALE_OFF: tl.constexpr, VALUE_ZERO_OFF: tl.constexpr,
     RAW_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT_KV: tl.constexpr,
     DOT_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, NORM_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-    ANY_PAGE: tl.constexpr, INTERPRET: tl.constexpr,
+    ANY_PAGE: tl.constexpr, L2_PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
     SEQ_CHUNK: tl.constexpr = 128,
 ):
     if SPLIT_KV:
@@ -176,7 +176,7 @@ def paged_attention_kernel(
             stride_cn, stride_cp, stride_ch, num_blocks, sm_scale, softcap, window, HAS_SOFTCAP,
             PAGE_SIZE, BLOCK_N, D, D_PAD, KEY_FORMAT, KEY_FIELD_BITS, NORM_CORRECTION, KEY_NORM_OFF,
             VALUE_FORMAT, VALUE_FIELD_BITS, VALUE_OFF, VALUE_SCALE_OFF, VALUE_ZERO_OFF, RAW_DTYPE,
-            DOT_DTYPE, NORM_ROWS, PREFETCH, ANY_PAGE, INTERPRET,
+            DOT_DTYPE, NORM_ROWS, PREFETCH, ANY_PAGE, L2_PREFETCH, INTERPRET,
         )
         t_idx = (q_start + tok).to(tl.int64)
         dmask = row_valid[:, None] & (d < D)[None, :]
@@ -228,6 +228,24 @@ def any_page(fmt: dict, num_blocks: int, prefetch: bool) -> bool:
     return prefetch and fmt["VALUE_FORMAT"] != config.VALUE_RAW and num_blocks > 0
 
 
+def l2_prefetch(fmt: dict, num_kv_heads: int, prefetch: bool) -> bool:
+    """``L2_PREFETCH`` of a launch (`kv_tiles._key_loop`): with the hand prefetch, each key tile
+    also asks L2 for the lines of the tile after next (`kv_tiles.prefetch_slot_lines`). Only for
+    fp8 keys with quantized values, in a cache of more than one kv head.
+
+    H100, one call, a b a b (ms), k8v4: B=32 x 8k decode 0.350 / 0.332 / 0.350 / 0.331, page 64
+    0.379 / 0.328, window 4k 0.207 / 0.188, skewed lengths 0.421 / 0.381, B=128 x 8k 1.31 /
+    1.24, D=512 (Hkv 2) 0.951 / 0.911, q_len 8 1.034 / 0.852, mixed b64 1.732 / 1.485; 4k prefill
+    and chunked 2k over 8k unchanged. One kv head (Hq 8 / Hkv 1 / D 256, slots of a page back to
+    back, which the loads themselves read as whole lines) lost, B=32 0.203 / 0.226 and B=128
+    0.651 / 0.747, even with every prefetch predicated off. mse keys lost: 3bit_nc 0.444 / 0.457
+    (k3v4_nc 0.435 / 0.430), and 4bit_nc decode (no hand prefetch), asking for its next tile's
+    lines, 0.336 / 0.347 (steps.md, thirty-second session).
+    """
+    return (prefetch and fmt["KEY_FORMAT"] == config.KEY_FP8 and fmt["VALUE_FORMAT"] != config.VALUE_RAW
+            and num_kv_heads > 1)
+
+
 def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int, max_blocks: int,
                num_blocks: int, page_size: int, num_splits: int, split_kv: bool, has_sinks: bool, fmt: dict,
                block_m: int, block_n: int, d_pad: int, dot_dtype, out_dtype, interpret: bool, num_warps: int,
@@ -247,7 +265,7 @@ def tiles_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, HAS_SINKS=has_sinks,
         SPLIT_KV=split_kv, NORM_ROWS=norm_rows(fmt, block_m, dot_dtype, num_warps),
         DOT_DTYPE=dot_dtype, OUT_DTYPE=out_dtype, PREFETCH=prefetch, ANY_PAGE=any_page(fmt, num_blocks, prefetch),
-        INTERPRET=interpret, num_warps=num_warps,
+        L2_PREFETCH=l2_prefetch(fmt, num_kv_heads, prefetch), INTERPRET=interpret, num_warps=num_warps,
         num_stages=num_stages,
         **({} if maxnreg is None else dict(maxnreg=maxnreg)), **config.field_bits_constexprs(fmt),
     )

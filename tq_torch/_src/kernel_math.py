@@ -271,6 +271,22 @@ def mma_operand(x, INTERPRET: tl.constexpr):
         return tl.inline_asm_elementwise(_COPY_B32, "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
 
 
+# Predicated so that a masked key (block id -1) asks for nothing: its address may lie outside the cache.
+_PREFETCH_L2 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+
+
+@triton.jit
+def prefetch_l2(ptrs, wanted, INTERPRET: tl.constexpr):
+    """Ask L2 for the lines at ``ptrs`` where ``wanted`` (same shape, int1) holds; no-op in the interpreter.
+
+    ``prefetch.global.L2`` holds no register and waits for nothing, so a key loop can ask
+    for a later tile's lines without the registers a prefetch into registers costs.
+    """
+    if not INTERPRET:
+        tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [ptrs, wanted.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 @triton.jit
 def tanh_f32(x):
     """Accurate fp32 tanh (a few ulp) from exp, odd Taylor series near zero.

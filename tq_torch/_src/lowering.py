@@ -70,6 +70,8 @@ def _variants(quick: bool):
 
     The GQA group size is a runtime value; only groups > 16 change the decode
     tile height (and > 64 the extend tile), so two group sizes cover the tiles.
+    Two kv heads: a cache of one kv head compiles without the L2 prefetch
+    (`attention_kernel.l2_prefetch`).
     """
     import torch
 
@@ -82,7 +84,7 @@ def _variants(quick: bool):
         for d in dims:
             dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
             for dt in dtypes:
-                groups = ((4, 1),) if quick else ((4, 1), (20, 1))
+                groups = ((8, 2),) if quick else ((8, 2), (40, 2))
                 for hq, hkv in groups:
                     out.append((preset, d, dt, hq, hkv))
     return out
