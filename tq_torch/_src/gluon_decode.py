@@ -1,0 +1,307 @@
+"""Gluon decode for 4-bit caches on sm_90+: no shared memory and no barrier in the key loop.
+
+Not dispatched yet (the next step is a dispatch-table row, DESIGN.md section 4); kept with its
+tests so that the measured lead stays runnable. Covers ``turboquant_4bit_nc`` only, D = 128,
+page size 16, a GQA group of at most 8, a bfloat16 query and pure decode (``q_len = 1`` for
+every sequence, ``query_start_loc = arange(B + 1)``); no window, soft cap or sinks.
+
+Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
+L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
+way to the tensor cores. Here each warp is an independent stream of 16-key pages, and every
+thread loads exactly the slot bytes its mma.sync fragments hold:
+
+- ``S = Q @ K^T`` (m16n8k16, rows = the GQA group padded to 16): thread ``(g, t) = (lane // 4,
+  lane % 4)`` holds keys ``g`` and ``g + 8`` and dims ``2t + e (+ 8) + 16s`` of a B fragment. The
+  dims of a dot may be taken in any order, so the query's dims are permuted once
+  (``k = 16 i + 8 j1 + 2 t + e`` <- ``32 t + 4 i + 2 j1 + e``) and the thread's 32 dims of a key are
+  its 16 contiguous code bytes ``[16 t, 16 t + 16)``.
+- ``O^T = V^T @ P^T`` (dims as the 128 rows, the score rows 0..7 as columns): S's accumulator
+  registers are P^T's B fragment as they are (row ``g``, keys ``2t + e``), and a thread's 16
+  value dims ``32 i + 8 j + g`` are the contiguous nibbles ``[16 g, 16 g + 16)`` of its 4 keys.
+- Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square,
+  as `kernel_math.table_lookup_with_squares`); ``||c||^2`` from a ones-row dot of the squares.
+- The next page's words are loaded before the current page is used (distance 1, in registers).
+- The four warps merge once at the end; the splits' partials go to `decode._decode_merge_kernel`.
+
+Every layout change between the loads and the dots is checked trivial at compile time
+(``convert_layout(assert_trivial=True)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .decode import _decode_merge_kernel
+from .kv_tiles import LOG2E
+
+PAGE_SIZE = 16
+HEAD_DIM = 128
+MAX_GROUP = 8
+# Registers per thread: 3 programs of 4 warps per SM. H200, B=32 x 8k, 3 splits: 235 us at 168,
+# 260 us at 152, 423 us at 128, 249 us uncapped (182 registers, 2 programs per SM).
+MAXNREG = 168
+
+# One 16-bit word of 4-bit key codes (sign-extended, 4 copies in $4..$7) and this lane's table entry
+# ($8..$11, `_LANE_ENTRY`) -> $0, $1: bf16 centroid pairs of nibbles (0, 1), (2, 3); $2, $3: their fp16
+# squares. A shuffle reads only the low 5 bits of its lane index: entries repeat every 16 lanes.
+_K_ASM = gl.constexpr(
+    "{ .reg .b32 c1, c2, c3, e0, e1, e2, e3; shr.b32 c1, $4, 4; shr.b32 c2, $4, 8; shr.b32 c3, $4, 12; "
+    "shfl.sync.idx.b32 e0, $8, $4, 0x1f, 0xffffffff; shfl.sync.idx.b32 e1, $8, c1, 0x1f, 0xffffffff; "
+    "shfl.sync.idx.b32 e2, $8, c2, 0x1f, 0xffffffff; shfl.sync.idx.b32 e3, $8, c3, 0x1f, 0xffffffff; "
+    "prmt.b32 $0, e0, e1, 0x5410; prmt.b32 $1, e2, e3, 0x5410; "
+    "prmt.b32 $2, e0, e1, 0x7632; prmt.b32 $3, e2, e3, 0x7632; }")
+# 16-bit words of 4-bit value codes of two keys ($4, $5; 8 inputs, the rest copies) -> four bf16 pairs
+# (128 + code_j of the first key, 128 + code_j of the second), j = 0..3 (`kernel_math.biased_code_operand`).
+_V_ASM = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $4, $5, 0x5410; "
+    "and.b32 u, t, 0x000F000F; or.b32 $0, u, 0x43004300; "
+    "shr.b32 u, t, 4; and.b32 u, u, 0x000F000F; or.b32 $1, u, 0x43004300; "
+    "shr.b32 u, t, 8; and.b32 u, u, 0x000F000F; or.b32 $2, u, 0x43004300; "
+    "shr.b32 u, t, 12; and.b32 u, u, 0x000F000F; or.b32 $3, u, 0x43004300; }")
+# This lane's 32-bit entry of a 32-entry table (`lane_entries`).
+_LANE_ENTRY = gl.constexpr("{ .reg .u32 l; .reg .b64 a; mov.u32 l, %laneid; mad.wide.u32 a, l, 4, $1; "
+    "ld.global.nc.b32 $0, [a]; }")
+
+
+@gluon.constexpr_function
+def _axis(layout, dim, rank):
+    """``layout`` (of rank ``rank``) sliced down to its axis ``dim``: the layout of an arange along it."""
+    for d in reversed(range(rank)):
+        if d != dim:
+            layout = gl.SliceLayout(d, layout)
+    return layout
+
+
+@gluon.jit
+def _page_base(bt_row_ptr, page, page_hi, num_blocks, stride_cn, head_off):
+    """Word offset of the kv head's slot 0 in page ``page`` (any shape and layout), and whether the
+    page is live: below ``page_hi`` with a block id in ``[0, num_blocks)``. Dead pages read block 0."""
+    live = page < page_hi
+    blk = gl.load(bt_row_ptr + page, mask=live, other=-1)
+    ok = live & (blk >= 0) & (blk < num_blocks)
+    blk = gl.where(ok, blk, 0)
+    return blk.to(gl.int64) * stride_cn + head_off, ok
+
+
+@gluon.jit
+def _load_page(cache_ptr, bt_row, page0, page_hi, seq_len, num_blocks, stride_cn, stride_cp, head_off,
+               k_w5, k_slot5, k_word5, v_w6, v_slot6, v_word6, sk_w, sk_n):
+    """Raw int16 words of page ``page0 + w`` for warp ``w``: K code words ``[w, h, g, t, i]``, V code words
+    ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm, scale and zero bits and the key's validity
+    (live page and key < ``seq_len``)."""
+    kbase, _ = _page_base(bt_row, page0 + k_w5, page_hi, num_blocks, stride_cn, head_off)
+    kwords = gl.load(cache_ptr + (kbase + k_slot5 + k_word5))
+    vbase, _ = _page_base(bt_row, page0 + v_w6, page_hi, num_blocks, stride_cn, head_off)
+    vwords = gl.load(cache_ptr + (vbase + v_slot6 + v_word6))
+    sbase, ok = _page_base(bt_row, page0 + sk_w[:, None], page_hi, num_blocks, stride_cn, head_off)
+    ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
+    sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
+    return kwords, vwords, gl.load(sptr + 32), gl.load(sptr + 65), gl.load(sptr + 66), ok
+
+
+@gluon.jit
+def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                        stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch,
+                      num_blocks, num_splits, num_q_heads, qk_scale, square_scale,
+                      max_seq_len, G: gl.constexpr):
+    """One (sequence, kv head, split): unnormalised partials of the split's pages (log2 domain), as
+    `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
+
+    ``q_ptr``: the rotated query ``[B, Hq, 128]`` bf16, token ``b`` = sequence ``b``; ``cache_ptr``:
+    the cache as int16 words; ``entry_ptr``: `lane_entries` (int32 [32]).
+    """
+    seq = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    NW: gl.constexpr = 4
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # K words [w, h, g, t, i] (+ nibble j): key 8h + g, word 8t + i of the key codes.
+    PK: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 8, 4], threads_per_warp=[1, 1, 8, 4, 1, 1],
+                                        warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
+    KW: gl.constexpr = gl.SliceLayout(5, PK)
+    # V words [w, h, t, e, g, i] (+ nibble j): key 8h + 2t + e, word 4g + i of the value codes.
+    PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 4, 4], threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
+                                        warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
+    VW: gl.constexpr = gl.SliceLayout(6, PV)
+    SK: gl.constexpr = gl.SliceLayout(1, MMA)  # [w, key]
+    SR: gl.constexpr = gl.SliceLayout(2, MMA)  # [w, row]
+
+    seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq), 0), max_seq_len)
+    n_pages = (seq_len + 15) // 16
+    chunk = (((n_pages + num_splits - 1) // num_splits + NW - 1) // NW) * NW
+    page_lo = split * chunk
+    page_hi = gl.minimum(n_pages, page_lo + chunk)
+    n_iter = (gl.maximum(page_hi - page_lo, 0) + NW - 1) // NW
+    bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+    head_off = kv_head.to(gl.int64) * stride_ch
+
+    # ---- query [w, 16 rows, 128] in the A layout, dims permuted: k = 16i + 8j1 + 2t + e <- 32t + 4i + 2j1 + e
+    qr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, A_L)))
+    qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, A_L)))
+    qmem = 32 * ((qk // 2) % 4) + 4 * (qk // 16) + 2 * ((qk // 8) % 2) + qk % 2
+    qrow = gl.expand_dims(gl.expand_dims(qr, 0), 2)
+    qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 1)
+    qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, A_L))), 1), 2)
+    qoff = seq.to(gl.int64) * stride_qt + (kv_head * G + qrow) * stride_qh + qcol + qw * 0
+    q = gl.load(q_ptr + qoff, mask=(qrow < G) & (qcol >= 0) & (qw >= 0), other=0.0)
+    ones = gl.full([NW, 16, 128], 1.0, gl.float16, A_L)
+
+    # ---- index tensors, K words
+    kw_w = gl.arange(0, NW, layout=_axis(KW, 0, 5))
+    kw_h = gl.arange(0, 2, layout=_axis(KW, 1, 5))
+    kw_g = gl.arange(0, 8, layout=_axis(KW, 2, 5))
+    kw_t = gl.arange(0, 4, layout=_axis(KW, 3, 5))
+    kw_i = gl.arange(0, 8, layout=_axis(KW, 4, 5))
+    k_w5 = kw_w[:, None, None, None, None]
+    k_slot5 = (8 * kw_h[None, :, None, None, None] + kw_g[None, None, :, None, None]) * stride_cp
+    k_word5 = 8 * kw_t[None, None, None, :, None] + kw_i[None, None, None, None, :]
+    # ---- V words
+    vw_w = gl.arange(0, NW, layout=_axis(VW, 0, 6))
+    vw_h = gl.arange(0, 2, layout=_axis(VW, 1, 6))
+    vw_t = gl.arange(0, 4, layout=_axis(VW, 2, 6))
+    vw_e = gl.arange(0, 2, layout=_axis(VW, 3, 6))
+    vw_g = gl.arange(0, 8, layout=_axis(VW, 4, 6))
+    vw_i = gl.arange(0, 4, layout=_axis(VW, 5, 6))
+    v_w6 = vw_w[:, None, None, None, None, None]
+    v_slot6 = (8 * vw_h[None, :, None, None, None, None] + 2 * vw_t[None, None, :, None, None, None]
+               + vw_e[None, None, None, :, None, None]) * stride_cp
+    v_word6 = 33 + 4 * vw_g[None, None, None, None, :, None] + vw_i[None, None, None, None, None, :]
+    # ---- per-key scalars [w, key] in the score layout
+    sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
+    sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
+
+    entry = gl.inline_asm_elementwise(_LANE_ENTRY, "=r,l", [entry_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK)],
+                                      dtype=gl.int32, is_pure=True, pack=1)
+
+    vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
+    acc = gl.zeros([NW, 128, 8], gl.float32, MMA)  # O^T: dims x rows 0..7
+    RN: gl.constexpr = gl.SliceLayout(1, MMA)  # [w, row] along acc^T's columns
+    m_i = gl.full([NW, 16], float("-inf"), gl.float32, SR)
+    l_i = gl.zeros([NW, 16], gl.float32, SR)
+    z_i = gl.zeros([NW, 16], gl.float32, SR)
+    zero_s = gl.zeros([NW, 16, 16], gl.float32, MMA)
+    cur = _load_page(cache_ptr, bt_row, page_lo, page_hi, seq_len, num_blocks, stride_cn, stride_cp, head_off,
+                     k_w5, k_slot5, k_word5, v_w6, v_slot6, v_word6, sk_w, sk_n)
+    for it in range(n_iter):
+        kwords, vwords, knorm, vscale, vzero, ok = cur
+        cur = _load_page(cache_ptr, bt_row, page_lo + (it + 1) * NW, page_hi, seq_len, num_blocks, stride_cn,
+                         stride_cp, head_off, k_w5, k_slot5, k_word5, v_w6, v_slot6, v_word6, sk_w, sk_n)
+        kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
+        kc, ksq = gl.inline_asm_elementwise(_K_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
+                                            dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
+        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 4, 5, 3, 6, 1, 2]), [NW, 128, 16])
+        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 4, 5, 3, 6, 1, 2]), [NW, 128, 16])
+        kc = gl.convert_layout(kc, B_L, assert_trivial=True)
+        ksq = gl.convert_layout(ksq, B_L, assert_trivial=True)
+        vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
+        vc = gl.inline_asm_elementwise(_V_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
+                                       is_pure=True, pack=8)
+        # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
+        vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
+        vc = gl.convert_layout(vc, A_L, assert_trivial=True)
+        knorm = knorm.to(gl.float16, bitcast=True).to(gl.float32)
+        vscale = gl.where(ok, vscale.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
+        vzero = gl.where(ok, vzero.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
+
+        s = mma_v2(q, kc, zero_s)
+        nsq = mma_v2(ones, ksq, zero_s)
+        factor = gl.expand_dims(knorm * (square_scale * qk_scale), 1) * gl.rsqrt(nsq)
+        s = gl.where(gl.expand_dims(ok, 1), s * factor, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=2))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 2))
+        l_i = l_i * alpha + gl.sum(p, axis=2)
+        ps = (p * gl.expand_dims(vscale, 1)).to(gl.bfloat16)
+        psr = ps.to(gl.float32)
+        z_i = z_i * alpha + gl.sum(p * gl.expand_dims(vzero, 1) - 128.0 * psr, axis=2)
+        # P^T [w, keys, rows 0..7]: the score rows g of S are the columns g of a B operand
+        ps8 = gl.split(gl.permute(gl.reshape(ps, [NW, 2, 8, 16]), [0, 2, 3, 1]))[0]
+        pt = gl.convert_layout(gl.permute(ps8, [0, 2, 1]), B_L, assert_trivial=True)
+        alpha8 = gl.convert_layout(gl.split(gl.permute(gl.reshape(alpha, [NW, 2, 8]), [0, 2, 1]))[0], RN)
+        acc = mma_v2(vc, pt, acc * gl.expand_dims(alpha8, 1))
+        m_i = m_new
+
+    # ---- merge the warps
+    m_all = gl.max(m_i, axis=0)
+    m_all_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+    wsc = gl.exp2(m_i - gl.expand_dims(m_all_safe, 0))
+    l_all = gl.sum(l_i * wsc, axis=0)
+    z_all = gl.sum(z_i * wsc, axis=0)
+    wsc8 = gl.convert_layout(gl.split(gl.permute(gl.reshape(wsc, [NW, 2, 8]), [0, 2, 1]))[0], RN)
+    o = gl.sum(acc * gl.expand_dims(wsc8, 1), axis=0)  # [128, 8]
+    OL: gl.constexpr = gl.SliceLayout(0, MMA)
+    z8 = gl.convert_layout(gl.split(gl.permute(gl.reshape(z_all, [2, 8]), [1, 0]))[0], gl.SliceLayout(0, OL))
+    o = o + gl.expand_dims(z8, 0)
+    on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
+    orow = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
+    omem = 16 * (on % 8) + 4 * (on // 32) + (on // 8) % 4
+    part = (seq * num_q_heads + kv_head * G + orow) * num_splits + split
+    gl.store(part_acc_ptr + part[None, :].to(gl.int64) * 128 + omem[:, None], o,
+             mask=(orow < G)[None, :] & (omem >= 0)[:, None])
+    RL: gl.constexpr = gl.SliceLayout(0, SR)
+    rr = gl.arange(0, 16, layout=RL)
+    part_r = (seq * num_q_heads + kv_head * G + rr) * num_splits + split
+    gl.store(part_m_ptr + part_r, gl.convert_layout(m_all, RL), mask=rr < G)
+    gl.store(part_l_ptr + part_r, gl.convert_layout(l_all, RL), mask=rr < G)
+
+
+_ENTRIES: dict = {}
+
+
+def lane_entries(centroids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(entries int32 [32], square_scale)`` of a 16-entry fp32 codebook: lane ``l`` holds
+    ``bf16(c) | fp16((r * c)**2) << 16`` for ``c = centroids[l % 16]``, with the power of two ``r``
+    of `kv_tiles.key_square_scale` (``r * max|c|`` in ``[1, 2)``). Cached per codebook tensor
+    (its ``r`` is read on the host: a sync the first time only)."""
+    key = (centroids.data_ptr(), centroids.device, centroids._version)
+    if key not in _ENTRIES:
+        _ENTRIES[key] = _make_lane_entries(centroids)
+    return _ENTRIES[key]
+
+
+def _make_lane_entries(centroids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    c = centroids.float()
+    r = 2.0 ** -math.floor(math.log2(float(c.abs().max())))
+    c = c[torch.arange(32, device=c.device) % 16]
+    lo = c.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    hi = ((c * r) * (c * r)).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return (lo | (hi << 16)).contiguous(), r
+
+
+def launch_gluon_decode(q_rot: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, centroids: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                        sm_scale: float, num_splits: int, maxnreg: int | None = MAXNREG) -> None:
+    """Decode of ``turboquant_4bit_nc`` into ``out`` ``[B, Hq, 128]`` (bf16), split + merge.
+
+    ``q_rot``: the rotated query ``[B, Hq, 128]`` bf16 (`rotation.rotate_query`), one token per
+    sequence; ``query_start_loc`` must be ``arange(B + 1)`` (not checked: the caller's contract,
+    as for the module's scope above). ``kv_cache``: ``uint8[N, 16, Hkv, 134]``.
+    """
+    b, hq, d = q_rot.shape
+    hkv = kv_cache.shape[2]
+    if (d, kv_cache.shape[1], kv_cache.shape[3]) != (HEAD_DIM, PAGE_SIZE, 134) or hq % hkv or hq // hkv > MAX_GROUP:
+        raise ValueError(f"gluon decode: expected D={HEAD_DIM}, page {PAGE_SIZE}, 134-byte slots and a GQA group "
+                         f"<= {MAX_GROUP}, got query {tuple(q_rot.shape)} and cache {tuple(kv_cache.shape)}")
+    entries, square_scale = lane_entries(centroids)
+    rows = b * hq * num_splits
+    parts = torch.empty(rows * (d + 2), dtype=torch.float32, device=q_rot.device)
+    part_acc, part_m, part_l = torch.split_with_sizes(parts, (rows * d, rows, rows))
+    words = kv_cache.view(torch.int16)
+    cs = words.stride()
+    extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    gluon_decode_kernel[(b, hkv, num_splits)](
+        q_rot, words, entries, block_table, seq_lens, part_acc, part_m, part_l, q_rot.stride(0), q_rot.stride(1),
+        block_table.stride(0), cs[0], cs[1], cs[2], kv_cache.shape[0], num_splits, hq, sm_scale * LOG2E,
+        square_scale, block_table.shape[1] * PAGE_SIZE, G=hq // hkv, num_warps=4, **extra)
+    _decode_merge_kernel[(b, hq)](
+        part_acc, part_m, part_l, part_m, out, query_start_loc, out.stride(0), out.stride(1), hq, num_splits, b,
+        SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=d, D_PAD=d, HAS_SINKS=False,
+        OUT_DTYPE=tl.bfloat16, INTERPRET=False, num_warps=4)
