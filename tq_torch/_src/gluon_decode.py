@@ -10,16 +10,17 @@ L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared 
 way to the tensor cores. Here each warp is an independent stream of 16-key pages, and every
 thread loads exactly the slot bytes its mma.sync fragments hold:
 
-- ``S = Q @ K^T`` (m16n8k16, rows = the GQA group padded to 16): thread ``(g, t) = (lane // 4,
-  lane % 4)`` holds keys ``g`` and ``g + 8`` and dims ``2t + e (+ 8) + 16s`` of a B fragment. The
-  dims of a dot may be taken in any order, so the query's dims are permuted once
-  (``k = 16 i + 8 j1 + 2 t + e`` <- ``32 t + 4 i + 2 j1 + e``) and the thread's 32 dims of a key are
-  its 16 contiguous code bytes ``[16 t, 16 t + 16)``.
-- ``O^T = V^T @ P^T`` (dims as the 128 rows, the score rows 0..7 as columns): S's accumulator
-  registers are P^T's B fragment as they are (row ``g``, keys ``2t + e``), and a thread's 16
-  value dims ``32 i + 8 j + g`` are the contiguous nibbles ``[16 g, 16 g + 16)`` of its 4 keys.
+- ``S^T = K @ Q^T`` (m16n8k16: the warp's 16 keys as rows, the GQA group padded to 8 as columns):
+  thread ``(g, t) = (lane // 4, lane % 4)`` holds keys ``g`` and ``g + 8`` and dims ``2t + e (+ 8) + 16i``
+  of the A fragment. The dims of a dot may be taken in any order, so the query's dims are permuted
+  once (``k = 16 i + 8 j1 + 2 t + e`` <- ``32 t + 4 i + 2 j1 + e``) and the thread's 32 dims of a key
+  are its 16 contiguous code bytes ``[16 t, 16 t + 16)``.
+- ``O^T = V^T @ P^T`` (dims as the 128 rows): S^T's accumulator fragments, transposed across the
+  warp by ``movmatrix``, are P^T's B fragments; the running max, sum and rescale live on the same
+  columns as O^T's. A thread's 16 value dims ``32 i + 8 j + g`` are the contiguous nibbles
+  ``[16 g, 16 g + 16)`` of its 4 keys.
 - Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square,
-  as `kernel_math.table_lookup_with_squares`); ``||c||^2`` from a ones-row dot of the squares.
+  as `kernel_math.table_lookup_with_squares`); ``||c||^2`` from a ones dot of the squares.
 - The next page's words are loaded before the current page is used (distance 1, in registers).
 - The four warps merge once at the end; the splits' partials go to `decode._decode_merge_kernel`.
 
@@ -43,8 +44,9 @@ from .kv_tiles import LOG2E
 PAGE_SIZE = 16
 HEAD_DIM = 128
 MAX_GROUP = 8
-# Registers per thread: 3 programs of 4 warps per SM. H200, B=32 x 8k, 3 splits: 235 us at 168,
-# 260 us at 152, 423 us at 128, 249 us uncapped (182 registers, 2 programs per SM).
+# Register cap, for 3 programs of 4 warps per SM. H200, B=32 x 8k, 3 splits, with 16-row scores (182
+# registers uncapped): 235 us at 168, 260 us at 152, 423 us at 128, 249 us uncapped. With 8-column
+# S^T (154 registers): 219 us at 168, 262 us at 128.
 MAXNREG = 168
 
 # One 16-bit word of 4-bit key codes (sign-extended, 4 copies in $4..$7) and this lane's table entry
@@ -63,6 +65,8 @@ _V_ASM = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $4, $5, 0x5410; "
     "shr.b32 u, t, 4; and.b32 u, u, 0x000F000F; or.b32 $1, u, 0x43004300; "
     "shr.b32 u, t, 8; and.b32 u, u, 0x000F000F; or.b32 $2, u, 0x43004300; "
     "shr.b32 u, t, 12; and.b32 u, u, 0x000F000F; or.b32 $3, u, 0x43004300; }")
+# One 8 x 8 bf16 fragment transposed across the warp (a pair of elements per thread).
+_TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 # This lane's 32-bit entry of a 32-entry table (`lane_entries`).
 _LANE_ENTRY = gl.constexpr("{ .reg .u32 l; .reg .b64 a; mov.u32 l, %laneid; mad.wide.u32 a, l, 4, $1; "
     "ld.global.nc.b32 $0, [a]; }")
@@ -130,8 +134,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 4, 4], threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
     VW: gl.constexpr = gl.SliceLayout(6, PV)
-    SK: gl.constexpr = gl.SliceLayout(1, MMA)  # [w, key]
-    SR: gl.constexpr = gl.SliceLayout(2, MMA)  # [w, row]
+    SK: gl.constexpr = gl.SliceLayout(2, MMA)  # [w, key] along the scores' rows
+    SR: gl.constexpr = gl.SliceLayout(1, MMA)  # [w, row] along the scores' (and O^T's) columns
 
     seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq), 0), max_seq_len)
     n_pages = (seq_len + 15) // 16
@@ -142,16 +146,16 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
     head_off = kv_head.to(gl.int64) * stride_ch
 
-    # ---- query [w, 16 rows, 128] in the A layout, dims permuted: k = 16i + 8j1 + 2t + e <- 32t + 4i + 2j1 + e
-    qr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, A_L)))
-    qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, A_L)))
+    # ---- query^T [w, 128, 8 rows] in the B layout, dims permuted: k = 16i + 8j1 + 2t + e <- 32t + 4i + 2j1 + e
+    qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
+    qr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
     qmem = 32 * ((qk // 2) % 4) + 4 * (qk // 16) + 2 * ((qk // 8) % 2) + qk % 2
-    qrow = gl.expand_dims(gl.expand_dims(qr, 0), 2)
-    qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 1)
-    qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, A_L))), 1), 2)
+    qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 2)
+    qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
+    qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
     qoff = seq.to(gl.int64) * stride_qt + (kv_head * G + qrow) * stride_qh + qcol + qw * 0
     q = gl.load(q_ptr + qoff, mask=(qrow < G) & (qcol >= 0) & (qw >= 0), other=0.0)
-    ones = gl.full([NW, 16, 128], 1.0, gl.float16, A_L)
+    ones = gl.full([NW, 128, 8], 1.0, gl.float16, B_L)
 
     # ---- index tensors, K words
     kw_w = gl.arange(0, NW, layout=_axis(KW, 0, 5))
@@ -182,11 +186,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
 
     vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
     acc = gl.zeros([NW, 128, 8], gl.float32, MMA)  # O^T: dims x rows 0..7
-    RN: gl.constexpr = gl.SliceLayout(1, MMA)  # [w, row] along acc^T's columns
-    m_i = gl.full([NW, 16], float("-inf"), gl.float32, SR)
-    l_i = gl.zeros([NW, 16], gl.float32, SR)
-    z_i = gl.zeros([NW, 16], gl.float32, SR)
-    zero_s = gl.zeros([NW, 16, 16], gl.float32, MMA)
+    m_i = gl.full([NW, 8], float("-inf"), gl.float32, SR)
+    l_i = gl.zeros([NW, 8], gl.float32, SR)
+    z_i = gl.zeros([NW, 8], gl.float32, SR)
+    zero_s = gl.zeros([NW, 16, 8], gl.float32, MMA)
     cur = _load_page(cache_ptr, bt_row, page_lo, page_hi, seq_len, num_blocks, stride_cn, stride_cp, head_off,
                      k_w5, k_slot5, k_word5, v_w6, v_slot6, v_word6, sk_w, sk_n)
     for it in range(n_iter):
@@ -196,10 +199,11 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
         kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
         kc, ksq = gl.inline_asm_elementwise(_K_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
                                             dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
-        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 4, 5, 3, 6, 1, 2]), [NW, 128, 16])
-        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 4, 5, 3, 6, 1, 2]), [NW, 128, 16])
-        kc = gl.convert_layout(kc, B_L, assert_trivial=True)
-        ksq = gl.convert_layout(ksq, B_L, assert_trivial=True)
+        # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
+        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]), [NW, 16, 128])
+        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]), [NW, 16, 128])
+        kc = gl.convert_layout(kc, A_L, assert_trivial=True)
+        ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
         vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
         vc = gl.inline_asm_elementwise(_V_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
                                        is_pure=True, pack=8)
@@ -210,23 +214,26 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
         vscale = gl.where(ok, vscale.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
         vzero = gl.where(ok, vzero.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
 
-        s = mma_v2(q, kc, zero_s)
-        nsq = mma_v2(ones, ksq, zero_s)
-        factor = gl.expand_dims(knorm * (square_scale * qk_scale), 1) * gl.rsqrt(nsq)
-        s = gl.where(gl.expand_dims(ok, 1), s * factor, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=2))
+        # S^T [w, 16 keys, 8 rows] = K @ Q^T, and ||c||^2 per key (a ones dot of the squares)
+        s = mma_v2(kc, q, zero_s)
+        nsq = mma_v2(ksq, ones, zero_s)
+        factor = gl.expand_dims(knorm * (square_scale * qk_scale), 2) * gl.rsqrt(nsq)
+        s = gl.where(gl.expand_dims(ok, 2), s * factor, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 2))
-        l_i = l_i * alpha + gl.sum(p, axis=2)
-        ps = (p * gl.expand_dims(vscale, 1)).to(gl.bfloat16)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        ps = (p * gl.expand_dims(vscale, 2)).to(gl.bfloat16)
         psr = ps.to(gl.float32)
-        z_i = z_i * alpha + gl.sum(p * gl.expand_dims(vzero, 1) - 128.0 * psr, axis=2)
-        # P^T [w, keys, rows 0..7]: the score rows g of S are the columns g of a B operand
-        ps8 = gl.split(gl.permute(gl.reshape(ps, [NW, 2, 8, 16]), [0, 2, 3, 1]))[0]
-        pt = gl.convert_layout(gl.permute(ps8, [0, 2, 1]), B_L, assert_trivial=True)
-        alpha8 = gl.convert_layout(gl.split(gl.permute(gl.reshape(alpha, [NW, 2, 8]), [0, 2, 1]))[0], RN)
-        acc = mma_v2(vc, pt, acc * gl.expand_dims(alpha8, 1))
+        z_i = z_i * alpha + gl.sum(p * gl.expand_dims(vzero, 2) - 128.0 * psr, axis=1)
+        # P^T as a B operand: each 8 x 8 fragment of S^T's registers transposed across the warp
+        # (`_TRANSPOSE_8X8`), then the same registers read as [keys, rows] with keys 2t + e: for the
+        # compiler the asm is elementwise, so the indices are relabelled to what the registers hold.
+        pt = gl.inline_asm_elementwise(_TRANSPOSE_8X8, "=r,r", [ps], dtype=gl.bfloat16, is_pure=True, pack=2)
+        pt = gl.reshape(gl.permute(gl.reshape(pt, [NW, 2, 8, 8]), [0, 1, 3, 2]), [NW, 16, 8])
+        pt = gl.convert_layout(pt, B_L, assert_trivial=True)
+        acc = mma_v2(vc, pt, acc * gl.expand_dims(alpha, 1))
         m_i = m_new
 
     # ---- merge the warps
@@ -235,11 +242,9 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     wsc = gl.exp2(m_i - gl.expand_dims(m_all_safe, 0))
     l_all = gl.sum(l_i * wsc, axis=0)
     z_all = gl.sum(z_i * wsc, axis=0)
-    wsc8 = gl.convert_layout(gl.split(gl.permute(gl.reshape(wsc, [NW, 2, 8]), [0, 2, 1]))[0], RN)
-    o = gl.sum(acc * gl.expand_dims(wsc8, 1), axis=0)  # [128, 8]
+    o = gl.sum(acc * gl.expand_dims(wsc, 1), axis=0)  # [128, 8]
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
-    z8 = gl.convert_layout(gl.split(gl.permute(gl.reshape(z_all, [2, 8]), [1, 0]))[0], gl.SliceLayout(0, OL))
-    o = o + gl.expand_dims(z8, 0)
+    o = o + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, OL)), 0)
     on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
     orow = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
     omem = 16 * (on % 8) + 4 * (on // 32) + (on // 8) % 4
@@ -247,10 +252,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     gl.store(part_acc_ptr + part[None, :].to(gl.int64) * 128 + omem[:, None], o,
              mask=(orow < G)[None, :] & (omem >= 0)[:, None])
     RL: gl.constexpr = gl.SliceLayout(0, SR)
-    rr = gl.arange(0, 16, layout=RL)
+    rr = gl.arange(0, 8, layout=RL)
     part_r = (seq * num_q_heads + kv_head * G + rr) * num_splits + split
-    gl.store(part_m_ptr + part_r, gl.convert_layout(m_all, RL), mask=rr < G)
-    gl.store(part_l_ptr + part_r, gl.convert_layout(l_all, RL), mask=rr < G)
+    gl.store(part_m_ptr + part_r, m_all, mask=rr < G)
+    gl.store(part_l_ptr + part_r, l_all, mask=rr < G)
 
 
 _ENTRIES: dict = {}
