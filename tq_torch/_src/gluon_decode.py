@@ -13,12 +13,12 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
 - ``S^T = K @ Q^T`` (m16n8k16: the warp's 16 keys as rows, the GQA group padded to 8 as columns):
   thread ``(g, t) = (lane // 4, lane % 4)`` holds keys ``g`` and ``g + 8`` and dims ``2t + e (+ 8) + 16i``
   of the A fragment. The dims of a dot may be taken in any order, so the query's dims are permuted
-  once (``k = 16 i + 8 j1 + 2 t + e`` <- ``32 t + 4 i + 2 j1 + e``) and the thread's 32 dims of a key
-  are its 16 contiguous code bytes ``[16 t, 16 t + 16)``.
+  once (``k = 16 i + 8 j1 + 2 t + e`` <- ``16 i + 4 t + 2 j1 + e``): the thread's 32 dims of a key are
+  its code words ``t + 4 i``, and the 4 lanes of a key read 8 contiguous bytes per load.
 - ``O^T = V^T @ P^T`` (dims as the 128 rows): S^T's accumulator fragments, transposed across the
   warp by ``movmatrix``, are P^T's B fragments; the running max, sum and rescale live on the same
-  columns as O^T's. A thread's 16 value dims ``32 i + 8 j + g`` are the contiguous nibbles
-  ``[16 g, 16 g + 16)`` of its 4 keys.
+  columns as O^T's. A thread's 16 value dims ``32 i + 8 j + g`` are the nibbles ``j`` of value words
+  ``g + 8 i`` of its 4 keys (the 8 lanes of a key read 16 contiguous bytes per load).
 - Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square,
   as `kernel_math.table_lookup_with_squares`); ``||c||^2`` from a ones dot of the squares.
 - The next page's words are loaded before the current page is used (distance 1, in registers).
@@ -146,10 +146,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
     head_off = kv_head.to(gl.int64) * stride_ch
 
-    # ---- query^T [w, 128, 8 rows] in the B layout, dims permuted: k = 16i + 8j1 + 2t + e <- 32t + 4i + 2j1 + e
+    # ---- query^T [w, 128, 8 rows] in the B layout, dims permuted: k = 16i + 8j1 + 2t + e <- 16i + 4t + 2j1 + e
     qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
     qr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
-    qmem = 32 * ((qk // 2) % 4) + 4 * (qk // 16) + 2 * ((qk // 8) % 2) + qk % 2
+    qmem = 16 * (qk // 16) + 4 * ((qk // 2) % 4) + 2 * ((qk // 8) % 2) + qk % 2
     qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 2)
     qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
     qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
@@ -165,7 +165,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     kw_i = gl.arange(0, 8, layout=_axis(KW, 4, 5))
     k_w5 = kw_w[:, None, None, None, None]
     k_slot5 = (8 * kw_h[None, :, None, None, None] + kw_g[None, None, :, None, None]) * stride_cp
-    k_word5 = 8 * kw_t[None, None, None, :, None] + kw_i[None, None, None, None, :]
+    k_word5 = kw_t[None, None, None, :, None] + 4 * kw_i[None, None, None, None, :]
     # ---- V words
     vw_w = gl.arange(0, NW, layout=_axis(VW, 0, 6))
     vw_h = gl.arange(0, 2, layout=_axis(VW, 1, 6))
@@ -176,7 +176,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     v_w6 = vw_w[:, None, None, None, None, None]
     v_slot6 = (8 * vw_h[None, :, None, None, None, None] + 2 * vw_t[None, None, :, None, None, None]
                + vw_e[None, None, None, :, None, None]) * stride_cp
-    v_word6 = 33 + 4 * vw_g[None, None, None, None, :, None] + vw_i[None, None, None, None, None, :]
+    v_word6 = 33 + vw_g[None, None, None, None, :, None] + 8 * vw_i[None, None, None, None, None, :]
     # ---- per-key scalars [w, key] in the score layout
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
@@ -247,7 +247,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     o = o + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, OL)), 0)
     on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
     orow = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
-    omem = 16 * (on % 8) + 4 * (on // 32) + (on // 8) % 4
+    omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
     part = (seq * num_q_heads + kv_head * G + orow) * num_splits + split
     gl.store(part_acc_ptr + part[None, :].to(gl.int64) * 128 + omem[:, None], o,
              mask=(orow < G)[None, :] & (omem >= 0)[:, None])
