@@ -126,11 +126,11 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    # K words [w, h, g, t, i] (+ nibble j): key 8h + g, word 8t + i of the key codes.
+    # K words [w, h, g, t, i] (+ nibble j): key 8h + g, word t + 4i of the key codes.
     PK: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 8, 4], threads_per_warp=[1, 1, 8, 4, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
     KW: gl.constexpr = gl.SliceLayout(5, PK)
-    # V words [w, h, t, e, g, i] (+ nibble j): key 8h + 2t + e, word 4g + i of the value codes.
+    # V words [w, h, t, e, g, i] (+ nibble j): key 8h + 2t + e, word g + 8i of the value codes.
     PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 4, 4], threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
     VW: gl.constexpr = gl.SliceLayout(6, PV)
