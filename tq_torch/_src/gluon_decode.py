@@ -21,7 +21,8 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
   ``g + 8 i`` of its 4 keys (the 8 lanes of a key read 16 contiguous bytes per load).
 - Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square,
   as `kernel_math.table_lookup_with_squares`); ``||c||^2`` from a ones dot of the squares.
-- The next page's words are loaded before the current page is used (distance 1, in registers).
+- The next page's words are loaded before the current page is used (distance 1, in registers), and
+  the block ids one page further ahead.
 - The four warps merge once at the end; the splits' partials go to `decode._decode_merge_kernel`.
 
 Every layout change between the loads and the dots is checked trivial at compile time
@@ -82,27 +83,38 @@ def _axis(layout, dim, rank):
 
 
 @gluon.jit
-def _page_base(bt_row_ptr, page, page_hi, num_blocks, stride_cn, head_off):
-    """Word offset of the kv head's slot 0 in page ``page`` (any shape and layout), and whether the
-    page is live: below ``page_hi`` with a block id in ``[0, num_blocks)``. Dead pages read block 0."""
-    live = page < page_hi
-    blk = gl.load(bt_row_ptr + page, mask=live, other=-1)
-    ok = live & (blk >= 0) & (blk < num_blocks)
-    blk = gl.where(ok, blk, 0)
-    return blk.to(gl.int64) * stride_cn + head_off, ok
+def _block_ids(bt_row_ptr, page, page_hi):
+    """Block ids of pages ``page`` (any shape and layout); -1 for pages at or past ``page_hi``."""
+    return gl.load(bt_row_ptr + page, mask=page < page_hi, other=-1)
 
 
 @gluon.jit
-def _load_page(cache_ptr, bt_row, page0, page_hi, seq_len, num_blocks, stride_cn, stride_cp, head_off,
-               k_w5, k_slot5, k_word5, v_w6, v_slot6, v_word6, sk_w, sk_n):
-    """Raw int16 words of page ``page0 + w`` for warp ``w``: K code words ``[w, h, g, t, i]``, V code words
-    ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm, scale and zero bits and the key's validity
-    (live page and key < ``seq_len``)."""
-    kbase, _ = _page_base(bt_row, page0 + k_w5, page_hi, num_blocks, stride_cn, head_off)
+def _page_base(blk, num_blocks, stride_cn, head_off):
+    """Word offset of the kv head's slot 0 in block ``blk`` (`_block_ids`), and whether the page is
+    live (a block id in ``[0, num_blocks)``). Dead pages read block 0."""
+    ok = (blk >= 0) & (blk < num_blocks)
+    return gl.where(ok, blk, 0).to(gl.int64) * stride_cn + head_off, ok
+
+
+@gluon.jit
+def _page_blocks(bt_row, page0, page_hi, k_w5, v_w6, sk_w):
+    """Block ids of page ``page0 + w`` in the layouts of `_load_page`'s three loads."""
+    return (_block_ids(bt_row, page0 + k_w5, page_hi), _block_ids(bt_row, page0 + v_w6, page_hi),
+            _block_ids(bt_row, page0 + sk_w[:, None], page_hi))
+
+
+@gluon.jit
+def _load_page(cache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
+               k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n):
+    """Raw int16 words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: K code
+    words ``[w, h, g, t, i]``, V code words ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm,
+    scale and zero bits and the key's validity (live page and key < ``seq_len``)."""
+    kblk, vblk, sblk = blocks
+    kbase, _ = _page_base(kblk, num_blocks, stride_cn, head_off)
     kwords = gl.load(cache_ptr + (kbase + k_slot5 + k_word5))
-    vbase, _ = _page_base(bt_row, page0 + v_w6, page_hi, num_blocks, stride_cn, head_off)
+    vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
     vwords = gl.load(cache_ptr + (vbase + v_slot6 + v_word6))
-    sbase, ok = _page_base(bt_row, page0 + sk_w[:, None], page_hi, num_blocks, stride_cn, head_off)
+    sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
     ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
     sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
     return kwords, vwords, gl.load(sptr + 32), gl.load(sptr + 65), gl.load(sptr + 66), ok
@@ -190,12 +202,15 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     l_i = gl.zeros([NW, 8], gl.float32, SR)
     z_i = gl.zeros([NW, 8], gl.float32, SR)
     zero_s = gl.zeros([NW, 16, 8], gl.float32, MMA)
-    cur = _load_page(cache_ptr, bt_row, page_lo, page_hi, seq_len, num_blocks, stride_cn, stride_cp, head_off,
-                     k_w5, k_slot5, k_word5, v_w6, v_slot6, v_word6, sk_w, sk_n)
+    # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
+    blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w5, v_w6, sk_w)
+    cur = _load_page(cache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo, seq_len,
+                     num_blocks, stride_cn, stride_cp, head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n)
     for it in range(n_iter):
         kwords, vwords, knorm, vscale, vzero, ok = cur
-        cur = _load_page(cache_ptr, bt_row, page_lo + (it + 1) * NW, page_hi, seq_len, num_blocks, stride_cn,
-                         stride_cp, head_off, k_w5, k_slot5, k_word5, v_w6, v_slot6, v_word6, sk_w, sk_n)
+        cur = _load_page(cache_ptr, blocks, page_lo + (it + 1) * NW, seq_len, num_blocks, stride_cn, stride_cp,
+                         head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n)
+        blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w5, v_w6, sk_w)
         kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
         kc, ksq = gl.inline_asm_elementwise(_K_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
                                             dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
