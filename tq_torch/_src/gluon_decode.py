@@ -61,7 +61,8 @@ _K_ASM = gl.constexpr(
     "prmt.b32 $2, e0, e1, 0x7632; prmt.b32 $3, e2, e3, 0x7632; }")
 # 16-bit words of 4-bit value codes of two keys ($4, $5; 8 inputs, the rest copies) -> four bf16 pairs
 # (128 + code_j of the first key, 128 + code_j of the second), j = 0..3 (`kernel_math.biased_code_operand`).
-_V_ASM = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $4, $5, 0x5410; "
+_V_ASM = gl.constexpr(
+    "{ .reg .b32 t, u; prmt.b32 t, $4, $5, 0x5410; "
     "and.b32 u, t, 0x000F000F; or.b32 $0, u, 0x43004300; "
     "shr.b32 u, t, 4; and.b32 u, u, 0x000F000F; or.b32 $1, u, 0x43004300; "
     "shr.b32 u, t, 8; and.b32 u, u, 0x000F000F; or.b32 $2, u, 0x43004300; "
@@ -69,8 +70,8 @@ _V_ASM = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $4, $5, 0x5410; "
 # One 8 x 8 bf16 fragment transposed across the warp (a pair of elements per thread).
 _TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 # This lane's 32-bit entry of a 32-entry table (`lane_entries`).
-_LANE_ENTRY = gl.constexpr("{ .reg .u32 l; .reg .b64 a; mov.u32 l, %laneid; mad.wide.u32 a, l, 4, $1; "
-    "ld.global.nc.b32 $0, [a]; }")
+_LANE_ENTRY = gl.constexpr(
+    "{ .reg .u32 l; .reg .b64 a; mov.u32 l, %laneid; mad.wide.u32 a, l, 4, $1; ld.global.nc.b32 $0, [a]; }")
 
 
 @gluon.constexpr_function
@@ -122,9 +123,8 @@ def _load_page(cache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_
 
 @gluon.jit
 def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                        stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch,
-                      num_blocks, num_splits, num_q_heads, qk_scale, square_scale,
-                      max_seq_len, G: gl.constexpr):
+                        stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch, num_blocks, num_splits,
+                        num_q_heads, qk_scale, square_scale, max_seq_len, G: gl.constexpr):
     """One (sequence, kv head, split): unnormalised partials of the split's pages (log2 domain), as
     `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
