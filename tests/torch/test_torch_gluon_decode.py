@@ -32,9 +32,9 @@ from tq_torch._src import gluon_decode
 
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "num_blocks",
         "num_splits", "num_q_heads")
-sig = dict(q_ptr="*bf16", cache_ptr="*i16", entry_ptr="*i32", bt_ptr="*i32", seq_lens_ptr="*i32",
+sig = dict(q_ptr="*bf16", cache_ptr="*i16", cb_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32",
            part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", **{n: "i32" for n in ints},
-           qk_scale="fp32", square_scale="fp32", max_seq_len="i32", G="constexpr")
+           qk_scale="fp32", max_seq_len="i32", G="constexpr")
 src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs={"G": 4}, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4, maxnreg=gluon_decode.MAXNREG))

@@ -19,8 +19,9 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
   warp by ``movmatrix``, are P^T's B fragments; the running max, sum and rescale live on the same
   columns as O^T's. A thread's 16 value dims ``32 i + 8 j + g`` are the nibbles ``j`` of value words
   ``g + 8 i`` of its 4 keys (the 8 lanes of a key read 16 contiguous bytes per load).
-- Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square,
-  as `kernel_math.table_lookup_with_squares`); ``||c||^2`` from a ones dot of the squares.
+- Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square, read
+  from the codebook in the kernel as `kernel_math.table_lookup_with_squares` does); ``||c||^2`` from a
+  ones dot of the squares.
 - The next page's words are loaded before the current page is used (distance 1, in registers), and
   the block ids one page further ahead.
 - The four warps merge once at the end; the splits' partials go to `decode._decode_merge_kernel`.
@@ -31,8 +32,6 @@ Every layout change between the loads and the dots is checked trivial at compile
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton.language as tl
 from triton.experimental import gluon
@@ -40,6 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .decode import _decode_merge_kernel
+from .kernel_math import _LANE_ENTRY_BF16_SQUARES
 from .kv_tiles import LOG2E
 
 PAGE_SIZE = 16
@@ -69,9 +69,6 @@ _V_ASM = gl.constexpr(
     "shr.b32 u, t, 12; and.b32 u, u, 0x000F000F; or.b32 $3, u, 0x43004300; }")
 # One 8 x 8 bf16 fragment transposed across the warp (a pair of elements per thread).
 _TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-# This lane's 32-bit entry of a 32-entry table (`lane_entries`).
-_LANE_ENTRY = gl.constexpr(
-    "{ .reg .u32 l; .reg .b64 a; mov.u32 l, %laneid; mad.wide.u32 a, l, 4, $1; ld.global.nc.b32 $0, [a]; }")
 
 
 @gluon.constexpr_function
@@ -122,14 +119,14 @@ def _load_page(cache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_
 
 
 @gluon.jit
-def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                         stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch, num_blocks, num_splits,
-                        num_q_heads, qk_scale, square_scale, max_seq_len, G: gl.constexpr):
+                        num_q_heads, qk_scale, max_seq_len, G: gl.constexpr):
     """One (sequence, kv head, split): unnormalised partials of the split's pages (log2 domain), as
     `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
     ``q_ptr``: the rotated query ``[B, Hq, 128]`` bf16, token ``b`` = sequence ``b``; ``cache_ptr``:
-    the cache as int16 words; ``entry_ptr``: `lane_entries` (int32 [32]).
+    the cache as int16 words; ``cb_ptr``: the 16-entry fp32 key codebook.
     """
     seq = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -193,8 +190,16 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
 
-    entry = gl.inline_asm_elementwise(_LANE_ENTRY, "=r,l", [entry_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK)],
-                                      dtype=gl.int32, is_pure=True, pack=1)
+    # This lane's codebook entry with its fp16 square (`kernel_math._lane_entry`), the squares scaled by
+    # the power of two of `kv_tiles.key_square_scale` (``r * max|c|`` in [1, 2)).
+    CB: gl.constexpr = gl.BlockedLayout(size_per_thread=[16], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+    cmax = gl.max(gl.abs(gl.load(cb_ptr + gl.arange(0, 16, layout=CB))), axis=0)
+    scale_bits = 0x7F000000 - (cmax.to(gl.int32, bitcast=True) & 0x7F800000)
+    square_scale = scale_bits.to(gl.float32, bitcast=True)
+    entry = gl.inline_asm_elementwise(
+        _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
+        [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK), gl.full([NW, 2, 8, 4, 8, 4], 15, gl.int32, PK),
+         gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
 
     vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
     acc = gl.zeros([NW, 128, 8], gl.float32, MMA)  # O^T: dims x rows 0..7
@@ -273,29 +278,6 @@ def gluon_decode_kernel(q_ptr, cache_ptr, entry_ptr, bt_ptr, seq_lens_ptr, part_
     gl.store(part_l_ptr + part_r, l_all, mask=rr < G)
 
 
-_ENTRIES: dict = {}
-
-
-def lane_entries(centroids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """``(entries int32 [32], square_scale)`` of a 16-entry fp32 codebook: lane ``l`` holds
-    ``bf16(c) | fp16((r * c)**2) << 16`` for ``c = centroids[l % 16]``, with the power of two ``r``
-    of `kv_tiles.key_square_scale` (``r * max|c|`` in ``[1, 2)``). Cached per codebook tensor
-    (its ``r`` is read on the host: a sync the first time only)."""
-    key = (centroids.data_ptr(), centroids.device, centroids._version)
-    if key not in _ENTRIES:
-        _ENTRIES[key] = _make_lane_entries(centroids)
-    return _ENTRIES[key]
-
-
-def _make_lane_entries(centroids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    c = centroids.float()
-    r = 2.0 ** -math.floor(math.log2(float(c.abs().max())))
-    c = c[torch.arange(32, device=c.device) % 16]
-    lo = c.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    hi = ((c * r) * (c * r)).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    return (lo | (hi << 16)).contiguous(), r
-
-
 def launch_gluon_decode(q_rot: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, centroids: torch.Tensor,
                         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                         sm_scale: float, num_splits: int, maxnreg: int | None = MAXNREG) -> None:
@@ -310,7 +292,6 @@ def launch_gluon_decode(q_rot: torch.Tensor, out: torch.Tensor, kv_cache: torch.
     if (d, kv_cache.shape[1], kv_cache.shape[3]) != (HEAD_DIM, PAGE_SIZE, 134) or hq % hkv or hq // hkv > MAX_GROUP:
         raise ValueError(f"gluon decode: expected D={HEAD_DIM}, page {PAGE_SIZE}, 134-byte slots and a GQA group "
                          f"<= {MAX_GROUP}, got query {tuple(q_rot.shape)} and cache {tuple(kv_cache.shape)}")
-    entries, square_scale = lane_entries(centroids)
     rows = b * hq * num_splits
     parts = torch.empty(rows * (d + 2), dtype=torch.float32, device=q_rot.device)
     part_acc, part_m, part_l = torch.split_with_sizes(parts, (rows * d, rows, rows))
@@ -318,9 +299,9 @@ def launch_gluon_decode(q_rot: torch.Tensor, out: torch.Tensor, kv_cache: torch.
     cs = words.stride()
     extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
     gluon_decode_kernel[(b, hkv, num_splits)](
-        q_rot, words, entries, block_table, seq_lens, part_acc, part_m, part_l, q_rot.stride(0), q_rot.stride(1),
+        q_rot, words, centroids, block_table, seq_lens, part_acc, part_m, part_l, q_rot.stride(0), q_rot.stride(1),
         block_table.stride(0), cs[0], cs[1], cs[2], kv_cache.shape[0], num_splits, hq, sm_scale * LOG2E,
-        square_scale, block_table.shape[1] * PAGE_SIZE, G=hq // hkv, num_warps=4, **extra)
+        block_table.shape[1] * PAGE_SIZE, G=hq // hkv, num_warps=4, **extra)
     _decode_merge_kernel[(b, hq)](
         part_acc, part_m, part_l, part_m, out, query_start_loc, out.stride(0), out.stride(1), hq, num_splits, b,
         SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=d, D_PAD=d, HAS_SINKS=False,
