@@ -1,12 +1,16 @@
-"""The Gluon 4-bit decode (`tq_torch._src.gluon_decode`, not dispatched yet).
+"""The Gluon 4-bit decode (`tq_torch._src.gluon_decode`), the decode path's kernel for 4-bit caches on sm_90.
 
 CPU: it compiles for sm_90a, and its key loop keeps every tile in registers (no shared memory,
-no barrier). GPU (``-m gpu``): its output matches the float64 reference through the parity
-tolerance, on a garbage-laden cache with shuffled pages and bad block ids past each sequence.
+no barrier). GPU (``-m gpu``): the default path takes it; its output matches the float64 reference
+through the parity tolerance on garbage-laden caches (shuffled pages, bad block ids past each
+sequence), and the attention rules hold as on the Triton kernels: padding rows, q_len 0 and 2,
+NaN queries and sinks, bad block ids, seq_lens and query_start_loc, CUDA-graph replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -16,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tq_torch
+from tq_torch._src.api import _paged_attention
 from tq_torch_testlib import AttnCase, build, check_against_reference
 
 PRESET = "turboquant_4bit_nc"
@@ -31,8 +37,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from tq_torch._src import gluon_decode
 
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "num_blocks",
-        "num_splits", "num_q_heads")
-sig = dict(q_ptr="*bf16", cache_ptr="*i16", cb_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32",
+        "num_splits", "num_q_heads", "num_seqs", "num_tokens")
+sig = dict(q_ptr="*bf16", cache_ptr="*i16", cb_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
            part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", **{n: "i32" for n in ints},
            qk_scale="fp32", max_seq_len="i32", G="constexpr")
 src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs={"G": 4}, attrs={})
@@ -51,7 +57,9 @@ def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path):
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    loops = re.findall(r"scf\.for .*?\n(.*?)\n\s*scf\.yield", proc.stdout, flags=re.S)
+    # The innermost loops (no scf.for between a loop's head and its first yield) holding dots.
+    loops = [body for body in re.findall(r"(?=scf\.for .*?\n(.*?)\n\s*scf\.yield)", proc.stdout, flags=re.S)
+             if "tt.dot" in body and "scf.for" not in body]
     assert len(loops) == 1, f"expected one key loop, found {len(loops)}"
     # (Its layout conversions are all register no-ops: `assert_trivial` fails the compile otherwise.)
     for op in ("ttg.local_alloc", "ttg.local_load", "ttg.local_store", "gpu.barrier"):
@@ -59,29 +67,177 @@ def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path):
     assert loops[0].count("tt.dot") == 3  # Q K^T, the squares' ones row, V^T P^T
 
 
-def _decode_case(name, seq_lens, hq, hkv):
-    return AttnCase(name, seq_lens=seq_lens, q_lens=(1,) * len(seq_lens), num_q_heads=hq, num_kv_heads=hkv,
-                    head_dim=128, page=16, presets=(PRESET,))
+def _decode_case(name, seq_lens, hq, hkv, q_lens=None, sinks=False):
+    return AttnCase(name, seq_lens=seq_lens, q_lens=q_lens or (1,) * len(seq_lens), num_q_heads=hq,
+                    num_kv_heads=hkv, head_dim=128, page=16, presets=(PRESET,), sinks=sinks)
 
 
 GPU_CASES = (
     _decode_case("lengths_gqa32_8", (1, 5, 15, 16, 17, 33, 4100), 32, 8),
     _decode_case("gqa8_1", (300, 4096), 8, 1),
-    _decode_case("gqa16_8", (2000, 77), 16, 8),
+    _decode_case("gqa16_8_sinks", (2000, 77), 16, 8, sinks=True),
+    _decode_case("gqa24_8", (900,), 24, 8),  # G = 3: padded rows in the 8-column tile
+    # T <= B with a q_len 2 row and a q_len 0, seq_len 0 request: each token is its own pass.
+    _decode_case("q_len_2_and_0", (50, 0, 3000, 17), 32, 8, q_lens=(2, 0, 1, 1)),
 )
+# One sequence of each: NaN, metadata and padding cases.
+GUARD_CASE = _decode_case("guards", (700, 90, 2100), 32, 8, sinks=True)
+
+
+class _Counting:
+    """Wraps `gluon_decode.launch_decode_spec` to count the launches the dispatcher made."""
+
+    def __init__(self, monkeypatch):
+        from tq_torch._src import gluon_decode
+
+        self.calls = 0
+        inner = gluon_decode.launch_decode_spec
+
+        def wrapped(*args, **kwargs):
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(gluon_decode, "launch_decode_spec", wrapped)
+
+
+def _run(built, *, path="auto", num_splits=0, out=None, **changes):
+    """``_paged_attention`` (the public op's body; validation off) into a NaN-poisoned output."""
+    built = dataclasses.replace(built, **changes) if changes else built
+    out = torch.full_like(built.query, float("nan")) if out is None else out
+    _paged_attention(*built.args(), **built.kwargs(), rotation=None, codebook=None, path=path, out=out,
+                     num_splits=num_splits, validate=False)
+    return out
+
+
+def _rows(built, seq):
+    qsl = built.query_start_loc.cpu()
+    return slice(int(qsl[seq]), int(qsl[seq + 1]))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
-@pytest.mark.parametrize("num_splits", (1, 3, 16))
-def test_gpu_gluon_decode_matches_reference(case, num_splits):
-    from tq_torch._src import gluon_decode, params
-    from tq_torch._src.rotation import query_rotation, rotate_query
-
+@pytest.mark.parametrize("num_splits", (0, 1, 3, 16))
+def test_gpu_gluon_decode_matches_reference(case, num_splits, monkeypatch):
+    """The default path of a 4-bit decode on sm_90 runs the Gluon kernel, through the parity tolerance
+    (0 = the automatic split count users get)."""
     built = build(case, PRESET, dev=torch.device("cuda"))
-    q_rot = rotate_query(built.query, query_rotation(PRESET, 128, None, built.query.dtype, built.query.device))
-    out = torch.full_like(built.query, float("nan"))
-    gluon_decode.launch_gluon_decode(
-        q_rot, out, built.kv_cache, params.default_centroids(PRESET, 128, out.device), built.block_table,
-        built.seq_lens, built.query_start_loc, sm_scale=128 ** -0.5, num_splits=num_splits)
+    counting = _Counting(monkeypatch)
+    out = _run(built, num_splits=num_splits)
+    assert counting.calls == 1, "the decode path did not take the Gluon kernel"
     check_against_reference(built, out)
+    # A second call relaunches the kept compiled kernel (`launcher.KernelSite`): same bits.
+    assert torch.equal(_run(built, num_splits=num_splits), out)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_decode_agrees_with_the_triton_decode(monkeypatch):
+    from tq_torch._src import gluon_decode, ops
+
+    built = build(GPU_CASES[0], PRESET, dev=torch.device("cuda"))
+    fast = _run(built)
+    monkeypatch.setattr(gluon_decode, "ENABLED", False)
+    ops._attention_setup.cache_clear()
+    try:
+        counting = _Counting(monkeypatch)
+        slow = _run(built)
+        assert counting.calls == 0
+    finally:
+        ops._attention_setup.cache_clear()
+    check_against_reference(built, fast)
+    check_against_reference(built, slow)
+    assert (fast.float() - slow.float()).abs().max().item() < 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_decode_padding_rows_are_zero():
+    """T <= B with rows past ``query_start_loc[B]`` (vLLM's padded CUDA-graph batches)."""
+    case = _decode_case("padded", (300, 20, 0, 0), 32, 8, q_lens=(1, 1, 0, 0))
+    built = build(case, PRESET, dev=torch.device("cuda"))
+    extra = torch.randn(2, *built.query.shape[1:], generator=torch.Generator().manual_seed(1)).to(built.query)
+    out = _run(built, query=torch.cat([built.query, extra]))
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    check_against_reference(built, out[:2].contiguous())
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_decode_nan_query_and_sink_propagate():
+    built = build(GUARD_CASE, PRESET, dev=torch.device("cuda"))
+    clean = _run(built)
+    query = built.query.clone()
+    query[1, 5, 7] = float("nan")  # token 1, head 5 (kv head 1)
+    out = _run(built, query=query)
+    nan = torch.zeros_like(out, dtype=torch.bool)
+    nan[1, 5] = True
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan], clean[~nan])
+    sinks = built.sinks.clone()
+    sinks[9] = float("nan")
+    out = _run(built, sinks=sinks)
+    nan = torch.zeros_like(out, dtype=torch.bool)
+    nan[:, 9] = True
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan], clean[~nan])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", (-5, 2**31 - 1, 10**6))
+def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(bad):
+    """Block ids outside [0, N) mask their keys (a row with none left is zero); seq_lens are clamped
+    to what the block table addresses (a negative one sees no key); other sequences' rows are
+    bitwise unchanged."""
+    case = dataclasses.replace(GUARD_CASE, sinks=False)
+    built = build(case, PRESET, dev=torch.device("cuda"))
+    clean = _run(built)
+    table = built.block_table.clone()
+    table[1] = bad
+    out = _run(built, block_table=table)
+    for seq in (0, 2):
+        assert torch.equal(out[_rows(built, seq)], clean[_rows(built, seq)])
+    assert torch.equal(out[_rows(built, 1)], torch.zeros_like(out[_rows(built, 1)]))
+    lens = built.seq_lens.clone()
+    lens[1] = bad
+    out = _run(built, seq_lens=lens)
+    for seq in (0, 2):
+        assert torch.equal(out[_rows(built, seq)], clean[_rows(built, seq)])
+    if bad < 0:
+        assert torch.equal(out[_rows(built, 1)], torch.zeros_like(out[_rows(built, 1)]))
+    # (A length past the sequence's tokens is garbage in, garbage out: its row sees never-written
+    # slots of its last page, which hold NaN-decoding bytes.)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qsl,laid_out", [([0, 2, 1, 3], [0, 2, 2, 3]), ([0, 2**31 - 1, -2**31, 3], [0, 3, 3, 3]),
+                                          ([0, 1, 2, 9], [0, 1, 2, 3])])
+def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(qsl, laid_out):
+    built = build(GUARD_CASE, PRESET, dev=torch.device("cuda"))
+    as_tensor = functools.partial(torch.tensor, dtype=torch.int32, device=built.query.device)
+    expected = _run(built, query_start_loc=as_tensor(laid_out))
+    got = _run(built, query_start_loc=as_tensor(qsl))
+    assert not torch.isnan(expected).any()
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_decode_cuda_graph_replay_matches_eager(monkeypatch):
+    built = build(GUARD_CASE, PRESET, dev=torch.device("cuda"))
+    counting = _Counting(monkeypatch)
+
+    def step():
+        return tq_torch.paged_attention(*built.args(), **built.kwargs())
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles and keeps the kernels outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    built.query.copy_(torch.randn_like(built.query))
+    built.seq_lens.copy_(torch.tensor([650, 17, 2100], dtype=torch.int32))
+    static_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, step())
+    assert counting.calls == 3
+    check_against_reference(built, static_out)

@@ -1,9 +1,11 @@
 """Gluon decode for 4-bit caches on sm_90+: no shared memory and no barrier in the key loop.
 
-Not dispatched yet (the next step is a dispatch-table row, DESIGN.md section 4); kept with its
-tests so that the measured lead stays runnable. Covers ``turboquant_4bit_nc`` only, D = 128,
-page size 16, a GQA group of at most 8, a bfloat16 query and pure decode (``q_len = 1`` for
-every sequence, ``query_start_loc = arange(B + 1)``); no window, soft cap or sinks.
+The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
+slots at D = 128, page size 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90
+device, at most one query token per sequence on average (``T <= B``: decode steps; a sequence with
+more is correct, one pass over its keys per token), sinks; no sliding window or soft cap (those
+calls keep the Triton kernels). Same function, partials and merge as `decode`; the same metadata
+guards (`_sequence_rows`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
 L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
@@ -32,15 +34,22 @@ Every layout change between the loads and the dots is checked trivial at compile
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+import tq_spec
+
+from . import config
 from .decode import _decode_merge_kernel
 from .kernel_math import _LANE_ENTRY_BF16_SQUARES
 from .kv_tiles import LOG2E
+from .launcher import kernel_site
 
 PAGE_SIZE = 16
 HEAD_DIM = 128
@@ -49,6 +58,9 @@ MAX_GROUP = 8
 # registers uncapped): 235 us at 168, 260 us at 152, 423 us at 128, 249 us uncapped. With 8-column
 # S^T (154 registers): 219 us at 168, 262 us at 128.
 MAXNREG = 168
+PROGRAMS_PER_SM = 3  # resident programs per SM at MAXNREG
+WAVES = 2
+MIN_SPLIT_PAGES = 16
 
 # One 16-bit word of 4-bit key codes (sign-extended, 4 copies in $4..$7) and this lane's table entry
 # ($8..$11, `_LANE_ENTRY`) -> $0, $1: bf16 centroid pairs of nibbles (0, 1), (2, 3); $2, $3: their fp16
@@ -119,16 +131,61 @@ def _load_page(cache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_
 
 
 @gluon.jit
-def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                        stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch, num_blocks, num_splits,
-                        num_q_heads, qk_scale, max_seq_len, G: gl.constexpr):
-    """One (sequence, kv head, split): unnormalised partials of the split's pages (log2 domain), as
-    `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
+def _clamp(x, lo, hi):
+    return gl.minimum(gl.maximum(x, lo), hi)
 
-    ``q_ptr``: the rotated query ``[B, Hq, 128]`` bf16, token ``b`` = sequence ``b``; ``cache_ptr``:
-    the cache as int16 words; ``cb_ptr``: the 16-entry fp32 key codebook.
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW: gl.constexpr):
+    """Sequence, first row and row count of the sequence owning row ``tok``, and whether one does.
+
+    Rows are laid out as `attention_kernel._find_sequence` lays them out, whatever
+    ``query_start_loc`` holds: with ``c = clamp(qsl, 0, T)``, sequence ``b`` owns
+    ``[s[b], s[b+1])``, ``s[0] = c[0]``, ``s[b+1] = min(T, s[b] + max(c[b+1] - c[b], 0))``, so every
+    row has at most one owner (for valid metadata ``s == qsl``). The owner is the number of
+    sequences ending at or before ``tok``; sequences are scanned 32 * NW at a time.
     """
-    seq = gl.program_id(0)
+    CHUNK: gl.constexpr = 32 * NW
+    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+    j = gl.arange(0, CHUNK, layout=L)
+    first = _clamp(gl.load(qsl_ptr), 0, num_tokens)
+    base = first  # s at the chunk's first sequence
+    owner = tok * 0
+    start = first  # s[owner]: the largest end <= tok
+    end = tok * 0 + num_tokens  # s[owner + 1]: the smallest end > tok
+    for chunk in range(0, num_seqs, CHUNK):
+        idx = chunk + j
+        live = idx < num_seqs
+        lo = _clamp(gl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
+        hi = _clamp(gl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
+        grow = gl.where(live, gl.maximum(hi - lo, 0), 0)
+        ends = gl.minimum(base + gl.associative_scan(grow, 0, _add), num_tokens)
+        before = live & (ends <= tok)
+        owner += gl.sum(before.to(gl.int32), axis=0)
+        start = gl.maximum(start, gl.max(gl.where(before, ends, 0), axis=0))
+        end = gl.minimum(end, gl.min(gl.where(live & (ends > tok), ends, num_tokens), axis=0))
+        base = gl.minimum(base + gl.sum(grow, axis=0), num_tokens)
+    owned = (owner < num_seqs) & (tok >= first)
+    return gl.where(owned, owner, 0), start, end - start, owned
+
+
+@gluon.jit
+def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr, part_m_ptr,
+                        part_l_ptr, stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch, num_blocks,
+                        num_splits, num_q_heads, num_seqs, num_tokens, qk_scale, max_seq_len, G: gl.constexpr):
+    """One (query row, kv head, split): unnormalised partials of the split's visible pages (log2
+    domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
+
+    ``q_ptr``: the rotated query ``[T, Hq, 128]`` bf16; ``cache_ptr``: the cache as int16 words;
+    ``cb_ptr``: the 16-entry fp32 key codebook. A row's sequence is `_token_owner`'s; each row is
+    its own pass over its keys (one per sequence in a decode step; q_len > 1 is correct, not fast).
+    """
+    tok = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
     NW: gl.constexpr = 4
@@ -146,8 +203,14 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, part_acc
     SK: gl.constexpr = gl.SliceLayout(2, MMA)  # [w, key] along the scores' rows
     SR: gl.constexpr = gl.SliceLayout(1, MMA)  # [w, row] along the scores' (and O^T's) columns
 
+    # Metadata guards (as the Triton kernels'): rows laid out with one owner each, lengths clamped to
+    # what the block table can address, block ids outside [0, N) mask their keys (`_page_base`).
+    seq, q_start, q_len, owned = _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW)
     seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq), 0), max_seq_len)
-    n_pages = (seq_len + 15) // 16
+    # The row sits at position seq_len - q_len + (tok - q_start): keys [0, kv_end) are visible. A row
+    # no sequence owns (padding) sees none, and its partials are never merged.
+    kv_end = gl.where(owned, seq_len - q_len + 1 + (tok - q_start), 0)
+    n_pages = (gl.maximum(kv_end, 0) + 15) // 16
     chunk = (((n_pages + num_splits - 1) // num_splits + NW - 1) // NW) * NW
     page_lo = split * chunk
     page_hi = gl.minimum(n_pages, page_lo + chunk)
@@ -162,7 +225,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, part_acc
     qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 2)
     qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
     qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
-    qoff = seq.to(gl.int64) * stride_qt + (kv_head * G + qrow) * stride_qh + qcol + qw * 0
+    qoff = tok.to(gl.int64) * stride_qt + (kv_head * G + qrow) * stride_qh + qcol + qw * 0
     q = gl.load(q_ptr + qoff, mask=(qrow < G) & (qcol >= 0) & (qw >= 0), other=0.0)
     ones = gl.full([NW, 128, 8], 1.0, gl.float16, B_L)
 
@@ -209,11 +272,11 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, part_acc
     zero_s = gl.zeros([NW, 16, 8], gl.float32, MMA)
     # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
     blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w5, v_w6, sk_w)
-    cur = _load_page(cache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo, seq_len,
+    cur = _load_page(cache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo, kv_end,
                      num_blocks, stride_cn, stride_cp, head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n)
     for it in range(n_iter):
         kwords, vwords, knorm, vscale, vzero, ok = cur
-        cur = _load_page(cache_ptr, blocks, page_lo + (it + 1) * NW, seq_len, num_blocks, stride_cn, stride_cp,
+        cur = _load_page(cache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks, stride_cn, stride_cp,
                          head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n)
         blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w5, v_w6, sk_w)
         kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
@@ -268,41 +331,101 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, part_acc
     on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
     orow = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
     omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
-    part = (seq * num_q_heads + kv_head * G + orow) * num_splits + split
-    gl.store(part_acc_ptr + part[None, :].to(gl.int64) * 128 + omem[:, None], o,
+    part = (tok.to(gl.int64) * num_q_heads + kv_head * G + orow) * num_splits + split
+    gl.store(part_acc_ptr + part[None, :] * 128 + omem[:, None], o,
              mask=(orow < G)[None, :] & (omem >= 0)[:, None])
     RL: gl.constexpr = gl.SliceLayout(0, SR)
     rr = gl.arange(0, 8, layout=RL)
-    part_r = (seq * num_q_heads + kv_head * G + rr) * num_splits + split
+    part_r = (tok.to(gl.int64) * num_q_heads + kv_head * G + rr) * num_splits + split
     gl.store(part_m_ptr + part_r, m_all, mask=rr < G)
     gl.store(part_l_ptr + part_r, l_all, mask=rr < G)
 
 
-def launch_gluon_decode(q_rot: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, centroids: torch.Tensor,
-                        block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
-                        sm_scale: float, num_splits: int, maxnreg: int | None = MAXNREG) -> None:
-    """Decode of ``turboquant_4bit_nc`` into ``out`` ``[B, Hq, 128]`` (bf16), split + merge.
+# The slot format the kernel reads: `config.format_constexprs` of turboquant_4bit_nc at D = 128 (any
+# preset with the same fields would do; the raw dtype is not read).
+_FORMAT = {k: v for k, v in config.format_constexprs(tq_spec.layout("turboquant_4bit_nc", HEAD_DIM)).items()
+           if k != "RAW_DTYPE"}
+# Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
+ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
 
-    ``q_rot``: the rotated query ``[B, Hq, 128]`` bf16 (`rotation.rotate_query`), one token per
-    sequence; ``query_start_loc`` must be ``arange(B + 1)`` (not checked: the caller's contract,
-    as for the module's scope above). ``kv_cache``: ``uint8[N, 16, Hkv, 134]``.
+
+def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, num_tokens: int, num_seqs: int,
+               num_q_heads: int, kv_cache_shape: tuple, device: torch.device, interpret: bool) -> Optional[str]:
+    """None where the decode path may run this kernel on these static facts, else why not.
+
+    The per-call facts (no sliding window, no soft cap) are the caller's to check.
     """
-    b, hq, d = q_rot.shape
-    hkv = kv_cache.shape[2]
-    if (d, kv_cache.shape[1], kv_cache.shape[3]) != (HEAD_DIM, PAGE_SIZE, 134) or hq % hkv or hq // hkv > MAX_GROUP:
-        raise ValueError(f"gluon decode: expected D={HEAD_DIM}, page {PAGE_SIZE}, 134-byte slots and a GQA group "
-                         f"<= {MAX_GROUP}, got query {tuple(q_rot.shape)} and cache {tuple(kv_cache.shape)}")
-    rows = b * hq * num_splits
-    parts = torch.empty(rows * (d + 2), dtype=torch.float32, device=q_rot.device)
-    part_acc, part_m, part_l = torch.split_with_sizes(parts, (rows * d, rows, rows))
-    words = kv_cache.view(torch.int16)
-    cs = words.stride()
-    extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
-    gluon_decode_kernel[(b, hkv, num_splits)](
-        q_rot, words, centroids, block_table, seq_lens, part_acc, part_m, part_l, q_rot.stride(0), q_rot.stride(1),
-        block_table.stride(0), cs[0], cs[1], cs[2], kv_cache.shape[0], num_splits, hq, sm_scale * LOG2E,
-        block_table.shape[1] * PAGE_SIZE, G=hq // hkv, num_warps=4, **extra)
-    _decode_merge_kernel[(b, hq)](
-        part_acc, part_m, part_l, part_m, out, query_start_loc, out.stride(0), out.stride(1), hq, num_splits, b,
-        SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=d, D_PAD=d, HAS_SINKS=False,
-        OUT_DTYPE=tl.bfloat16, INTERPRET=False, num_warps=4)
+    n, page, hkv, _ = kv_cache_shape
+    if not ENABLED:
+        return "switched off (TQ_GLUON_DECODE=0)"
+    if interpret or device.type != "cuda":
+        return "needs a CUDA device (no interpreter)"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "built and measured for sm_90 (H100/H200) only"
+    if any(fmt.get(k) != v for k, v in _FORMAT.items()):
+        return f"reads the turboquant_4bit_nc slot at D={HEAD_DIM} only"
+    if page != PAGE_SIZE or n < 1:
+        return f"needs {PAGE_SIZE}-slot pages and at least one block"
+    if num_q_heads % hkv or num_q_heads // hkv > MAX_GROUP:
+        return f"needs a GQA group of at most {MAX_GROUP}"
+    if query_dtype != torch.bfloat16 or out_dtype != torch.bfloat16:
+        return "needs a bfloat16 query and output"
+    if num_tokens > num_seqs:
+        return "decode steps only (num_tokens <= num_seqs): one pass over the keys per query token"
+    return None
+
+
+def num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int, max_context: int,
+               device: torch.device) -> int:
+    """Splits per (row, kv head), from static shapes only (CUDA-graph safe).
+
+    About 6 programs per SM in all (two waves of `PROGRAMS_PER_SM`) where the batch has 64 or more
+    (row, kv head) programs, about 2 per SM for smaller batches, at least `MIN_SPLIT_PAGES` pages per
+    split and the partials under budget. H200, CUDA-graph replays, GQA 4 (us, best / this rule):
+    B=32 x 8k 182 / 182 (3 splits), B=128 x 8k 689 / 689 (1), B=64 x 4k 187 / 187 (2),
+    B=16 x 8k 96 / 102 (6), B=8 x 32k 176 / 180 (12), B=4 x 4k 23.7 / 23.7 (8), B=2 x 8k 23.6 / 23.6
+    (16), B=1 x 32k 34.9 at 32 (this rule: 33), B=1 x 4k 14.2 / 14.2 (16).
+    """
+    programs = max(1, num_tokens * num_kv_heads)
+    per_sm = PROGRAMS_PER_SM * WAVES if programs >= 64 else WAVES
+    splits = max(1, round(per_sm * config.sm_count(device) / programs))
+    splits = max(1, min(splits, max_context // (PAGE_SIZE * MIN_SPLIT_PAGES), config._MAX_SPLITS))
+    per_split = num_tokens * num_q_heads * (HEAD_DIM + 2) * 4
+    while splits > 1 and splits * per_split > config._PARTIALS_BUDGET:
+        splits //= 2
+    return splits
+
+
+def decode_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int, max_blocks: int,
+                num_splits: int, has_sinks: bool) -> tuple:
+    """The static part of a launch (kernel + merge sites, buffer sizes), for `launch_decode_spec`."""
+    rows = num_tokens * num_q_heads * num_splits
+    split = kernel_site(gluon_decode_kernel, dict(G=num_q_heads // num_kv_heads, num_warps=4, maxnreg=MAXNREG))
+    merge = kernel_site(_decode_merge_kernel, dict(
+        SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=HEAD_DIM, D_PAD=HEAD_DIM, HAS_SINKS=has_sinks,
+        OUT_DTYPE=tl.bfloat16, INTERPRET=False, num_warps=4))
+    return (split, (num_tokens, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads), rows * (HEAD_DIM + 2),
+            (rows * HEAD_DIM, rows, rows), num_splits, num_seqs, max_blocks * PAGE_SIZE)
+
+
+def launch_decode_spec(spec: tuple, q_rot: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
+                       centroids: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], sm_scale: float) -> None:
+    """Decode of a turboquant_4bit_nc cache into ``out`` ``[T, Hq, 128]`` bf16: kernel, then the merge.
+
+    ``q_rot``: the rotated query ``[T, Hq, 128]`` bf16 (`rotation.rotate_query`, last dim contiguous);
+    ``cache_i16``: the cache ``uint8[N, 16, Hkv, 134]`` viewed as int16; ``centroids``: fp32 ``[16]``;
+    ``block_table`` int32 ``[B, max_blocks]`` (last dim contiguous); ``seq_lens`` int32 ``[B]`` and
+    ``query_start_loc`` int32 ``[B + 1]`` contiguous; ``sinks`` None or fp32 ``[Hq]``. Any metadata
+    values are safe (`gluon_decode_kernel`); rows past ``query_start_loc[B]`` come out zero.
+    """
+    split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len = spec
+    t, hq, _ = q_rot.shape
+    parts = torch.empty(part_numel, dtype=torch.float32, device=q_rot.device)
+    part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
+    cs = cache_i16.stride()
+    split(grid, (q_rot, cache_i16, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l),
+          (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), cs[0], cs[1], cs[2], cache_i16.shape[0], splits,
+           hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len))
+    merge(merge_grid, (part_acc, part_m, part_l, part_m if sinks is None else sinks, out, query_start_loc),
+          (out.stride(0), out.stride(1), hq, splits, num_seqs))

@@ -18,7 +18,7 @@ import torch
 
 import tq_spec
 
-from . import config, params
+from . import config, gluon_decode, params
 from .decode import decode_spec, launch_decode_spec
 from .extend import launch_extend
 from .rotation import QueryRotation, query_rotation, rotate_query
@@ -63,6 +63,7 @@ class _Plan(NamedTuple):
     centroids: Optional[torch.Tensor]  # default tables (mse presets), on the call's device
     rotation: Optional[QueryRotation]  # the default query rotation (mse presets)
     decode: Optional[tuple]  # `decode.decode_spec`, decode path only
+    gluon: Optional[tuple]  # `gluon_decode.decode_spec` where that kernel may run this decode (`_gluon_spec`)
 
 
 def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -83,7 +84,9 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = params.default_centroids(preset, d, dev)
         rot = query_rotation(preset, d, None, query.dtype, dev)
+    gluon = None
     if path == "decode":
+        gluon = _gluon_spec(fmt, query, out, kv_cache, block_table, sinks, num_splits, interpret)
         n, page, hkv, _ = kv_cache.shape
         num_seqs, max_blocks = block_table.shape
         block_m = config.decode_block_m(hq // hkv)
@@ -99,11 +102,33 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
             dot_dtype=config.TORCH_TO_TL[query.dtype], out_dtype=config.TORCH_TO_TL[out.dtype],
             interpret=interpret, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
             maxnreg=tiles["maxnreg"], prefetch=tiles["prefetch"])
-    plan = _Plan(cents, rot, spec)
+    plan = _Plan(cents, rot, spec, gluon)
     if len(plans) >= _MAX_PLANS:
         plans.clear()
     plans[key] = plan
     return plan
+
+
+def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                block_table: torch.Tensor, sinks: Optional[torch.Tensor], num_splits: int,
+                interpret: bool) -> Optional[tuple]:
+    """`gluon_decode.decode_spec` where the Gluon decode may run this call's static shapes, else None.
+
+    The decode path's fast kernel for 4-bit caches on sm_90 (`gluon_decode`): same function, same
+    partials and merge; a call with a sliding window or a soft cap still takes the Triton kernels.
+    """
+    t, hq, _ = query.shape
+    num_seqs, max_blocks = block_table.shape
+    if gluon_decode.ineligible(fmt, query_dtype=query.dtype, out_dtype=out.dtype, num_tokens=t, num_seqs=num_seqs,
+                               num_q_heads=hq, kv_cache_shape=tuple(kv_cache.shape), device=kv_cache.device,
+                               interpret=interpret) is not None:
+        return None
+    hkv = kv_cache.shape[2]
+    splits = num_splits or gluon_decode.num_splits(
+        num_seqs=num_seqs, num_kv_heads=hkv, num_tokens=t, num_q_heads=hq,
+        max_context=max_blocks * kv_cache.shape[1], device=kv_cache.device)
+    return gluon_decode.decode_spec(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, num_seqs=num_seqs,
+                                    max_blocks=max_blocks, num_splits=splits, has_sinks=sinks is not None)
 
 
 def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -139,6 +164,10 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     cache_i16 = kv_cache.view(torch.int16)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    if path == "decode" and plan.gluon is not None and not sliding_window and not logits_soft_cap:
+        gluon_decode.launch_decode_spec(plan.gluon, q, out, cache_i16, cents, block_table, seq_lens,
+                                        query_start_loc, sinks, float(scale))
+        return
     if path == "decode":
         launch_decode_spec(plan.decode, q, out, kv_cache, cache_i16, cents, block_table, seq_lens,
                            query_start_loc, sinks, float(scale), float(logits_soft_cap), int(sliding_window))
