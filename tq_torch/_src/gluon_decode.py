@@ -2,10 +2,10 @@
 
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
 slots at D = 128, page size 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90
-device, at most one query token per sequence on average (``T <= B``: decode steps; a sequence with
-more is correct, one pass over its keys per token), sinks; no sliding window or soft cap (those
-calls keep the Triton kernels). Same function, partials and merge as `decode`; the same metadata
-guards (`_sequence_rows`, `_page_base`, clamped lengths).
+device, at most one query row per sequence on average (``T <= B``: decode steps; each row is its
+own program, so a sequence with more rows is correct, one pass over its keys per row), sinks; no
+sliding window or soft cap (those calls keep the Triton kernels). Same function, partials and merge
+as `decode`; the same metadata guards (`_token_owner`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
 L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
