@@ -1,4 +1,4 @@
-"""The Gluon 4-bit decode (`tq_torch._src.gluon_decode`), the decode path's kernel for 4-bit caches on sm_90.
+"""The Gluon decode (`tq_torch._src.gluon_decode`), the decode path's kernel for 4bit_nc and k8v4 caches on sm_90.
 
 CPU: it compiles for sm_90a, and its key loop keeps every tile in registers (no shared memory,
 no barrier). GPU (``-m gpu``): the default path takes it; its output matches the float64 reference
@@ -24,35 +24,39 @@ import tq_torch
 from tq_torch._src.api import _paged_attention
 from tq_torch_testlib import AttnCase, build, check_against_reference
 
-PRESET = "turboquant_4bit_nc"
+PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4")  # the slots the kernel reads
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # Compiles the kernel for sm_90a and prints its TTGIR (run without TRITON_INTERPRET: the interpreter
 # would take over the reductions' combine functions).
 _COMPILE_SM90 = """
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from tq_torch._src import gluon_decode
 
-ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "num_blocks",
-        "num_splits", "num_q_heads", "num_seqs", "num_tokens")
-sig = dict(q_ptr="*bf16", cache_ptr="*i16", cb_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
-           part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", **{n: "i32" for n in ints},
-           qk_scale="fp32", max_seq_len="i32", G="constexpr")
-src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs={"G": 4}, attrs={})
+slot = gluon_decode._FORMATS[gluon_decode._slot_format(sys.argv[1])]
+ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
+        "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
+sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_FP8"] else "*i16", cb_ptr="*fp32",
+           bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", part_acc_ptr="*fp32", part_m_ptr="*fp32",
+           part_l_ptr="*fp32", **{n: "i32" for n in ints}, qk_scale="fp32", max_seq_len="i32",
+           **{k: "constexpr" for k in ("G", *slot)})
+src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=dict(G=4, **slot), attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4, maxnreg=gluon_decode.MAXNREG))
 print(kernel.asm["ttgir"])
 """
 
 
-def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path):
+@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k8v4", 2)])
+def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, preset], env=env, capture_output=True, text=True,
                           timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
@@ -64,12 +68,13 @@ def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path):
     # (Its layout conversions are all register no-ops: `assert_trivial` fails the compile otherwise.)
     for op in ("ttg.local_alloc", "ttg.local_load", "ttg.local_store", "gpu.barrier"):
         assert op not in loops[0], f"{op} in the key loop"
-    assert loops[0].count("tt.dot") == 3  # Q K^T, the squares' ones row, V^T P^T
+    # Q K^T, V^T P^T, and for mse keys the squares' ones row.
+    assert loops[0].count("tt.dot") == dots
 
 
 def _decode_case(name, seq_lens, hq, hkv, q_lens=None, sinks=False):
     return AttnCase(name, seq_lens=seq_lens, q_lens=q_lens or (1,) * len(seq_lens), num_q_heads=hq,
-                    num_kv_heads=hkv, head_dim=128, page=16, presets=(PRESET,), sinks=sinks)
+                    num_kv_heads=hkv, head_dim=128, page=16, presets=PRESETS, sinks=sinks)
 
 
 GPU_CASES = (
@@ -115,12 +120,13 @@ def _rows(built, seq):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
 @pytest.mark.parametrize("num_splits", (0, 1, 3, 16))
-def test_gpu_gluon_decode_matches_reference(case, num_splits, monkeypatch):
+def test_gpu_gluon_decode_matches_reference(preset, case, num_splits, monkeypatch):
     """The default path of a 4-bit decode on sm_90 runs the Gluon kernel, through the parity tolerance
     (0 = the automatic split count users get)."""
-    built = build(case, PRESET, dev=torch.device("cuda"))
+    built = build(case, preset, dev=torch.device("cuda"))
     counting = _Counting(monkeypatch)
     out = _run(built, num_splits=num_splits)
     assert counting.calls == 1, "the decode path did not take the Gluon kernel"
@@ -130,10 +136,11 @@ def test_gpu_gluon_decode_matches_reference(case, num_splits, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_decode_agrees_with_the_triton_decode(monkeypatch):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gpu_gluon_decode_agrees_with_the_triton_decode(preset, monkeypatch):
     from tq_torch._src import gluon_decode, ops
 
-    built = build(GPU_CASES[0], PRESET, dev=torch.device("cuda"))
+    built = build(GPU_CASES[0], preset, dev=torch.device("cuda"))
     fast = _run(built)
     monkeypatch.setattr(gluon_decode, "ENABLED", False)
     ops._attention_setup.cache_clear()
@@ -149,10 +156,11 @@ def test_gpu_gluon_decode_agrees_with_the_triton_decode(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_decode_padding_rows_are_zero():
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gpu_gluon_decode_padding_rows_are_zero(preset):
     """T <= B with rows past ``query_start_loc[B]`` (vLLM's padded CUDA-graph batches)."""
     case = _decode_case("padded", (300, 20, 0, 0), 32, 8, q_lens=(1, 1, 0, 0))
-    built = build(case, PRESET, dev=torch.device("cuda"))
+    built = build(case, preset, dev=torch.device("cuda"))
     extra = torch.randn(2, *built.query.shape[1:], generator=torch.Generator().manual_seed(1)).to(built.query)
     out = _run(built, query=torch.cat([built.query, extra]))
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
@@ -160,8 +168,9 @@ def test_gpu_gluon_decode_padding_rows_are_zero():
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_decode_nan_query_and_sink_propagate():
-    built = build(GUARD_CASE, PRESET, dev=torch.device("cuda"))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gpu_gluon_decode_nan_query_and_sink_propagate(preset):
+    built = build(GUARD_CASE, preset, dev=torch.device("cuda"))
     clean = _run(built)
     query = built.query.clone()
     query[1, 5, 7] = float("nan")  # token 1, head 5 (kv head 1)
@@ -180,13 +189,14 @@ def test_gpu_gluon_decode_nan_query_and_sink_propagate():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("bad", (-5, 2**31 - 1, 10**6))
-def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(bad):
+def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(preset, bad):
     """Block ids outside [0, N) mask their keys (a row with none left is zero); seq_lens are clamped
     to what the block table addresses (a negative one sees no key); other sequences' rows are
     bitwise unchanged."""
     case = dataclasses.replace(GUARD_CASE, sinks=False)
-    built = build(case, PRESET, dev=torch.device("cuda"))
+    built = build(case, preset, dev=torch.device("cuda"))
     clean = _run(built)
     table = built.block_table.clone()
     table[1] = bad
@@ -206,10 +216,11 @@ def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(bad):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("qsl,laid_out", [([0, 2, 1, 3], [0, 2, 2, 3]), ([0, 2**31 - 1, -2**31, 3], [0, 3, 3, 3]),
                                           ([0, 1, 2, 9], [0, 1, 2, 3])])
-def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(qsl, laid_out):
-    built = build(GUARD_CASE, PRESET, dev=torch.device("cuda"))
+def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(preset, qsl, laid_out):
+    built = build(GUARD_CASE, preset, dev=torch.device("cuda"))
     as_tensor = functools.partial(torch.tensor, dtype=torch.int32, device=built.query.device)
     expected = _run(built, query_start_loc=as_tensor(laid_out))
     got = _run(built, query_start_loc=as_tensor(qsl))
@@ -218,8 +229,9 @@ def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(qsl, laid
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_decode_cuda_graph_replay_matches_eager(monkeypatch):
-    built = build(GUARD_CASE, PRESET, dev=torch.device("cuda"))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gpu_gluon_decode_cuda_graph_replay_matches_eager(preset, monkeypatch):
+    built = build(GUARD_CASE, preset, dev=torch.device("cuda"))
     counting = _Counting(monkeypatch)
 
     def step():
@@ -241,3 +253,19 @@ def test_gpu_gluon_decode_cuda_graph_replay_matches_eager(monkeypatch):
     assert torch.equal(static_out, step())
     assert counting.calls == 3
     check_against_reference(built, static_out)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_keys_in_a_cache_off_4_bytes_take_the_triton_decode(monkeypatch):
+    """fp8 keys are read as int32 words: a cache at an address 2 mod 4 (valid: fields are 2-byte)
+    runs the Triton kernels instead, with the same answer."""
+    built = build(GPU_CASES[0], "turboquant_k8v4", dev=torch.device("cuda"))
+    cache = built.kv_cache
+    backing = torch.empty(cache.numel() + 2, dtype=torch.uint8, device=cache.device)
+    shifted = backing[2:].view(cache.shape)
+    shifted.copy_(cache)
+    assert shifted.data_ptr() % 4 == 2
+    counting = _Counting(monkeypatch)
+    out = _run(built, kv_cache=shifted)
+    assert counting.calls == 0
+    check_against_reference(built, out)

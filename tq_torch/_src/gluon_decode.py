@@ -1,11 +1,12 @@
-"""Gluon decode for 4-bit caches on sm_90+: no shared memory and no barrier in the key loop.
+"""Gluon decode for 4-bit-value caches on sm_90+: no shared memory and no barrier in the key loop.
 
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
-slots at D = 128, page size 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90
-device, at most one query row per sequence on average (``T <= B``: decode steps; each row is its
-own program, so a sequence with more rows is correct, one pass over its keys per row), sinks; no
-sliding window or soft cap (those calls keep the Triton kernels). Same function, partials and merge
-as `decode`; the same metadata guards (`_token_owner`, `_page_base`, clamped lengths).
+(4-bit mse keys) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA group of
+at most 8, a bfloat16 query and output, an sm_90 device, at most one query row per sequence on
+average (``T <= B``: decode steps; each row is its own program, so a sequence with more rows is
+correct, one pass over its keys per row), sinks; no sliding window or soft cap (those calls keep
+the Triton kernels). Same function, partials and merge as `decode`; the same metadata guards
+(`_token_owner`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
 L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
@@ -21,6 +22,9 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
   warp by ``movmatrix``, are P^T's B fragments; the running max, sum and rescale live on the same
   columns as O^T's. A thread's 16 value dims ``32 i + 8 j + g`` are the nibbles ``j`` of value words
   ``g + 8 i`` of its 4 keys (the 8 lanes of a key read 16 contiguous bytes per load).
+- fp8 keys: lane ``t`` reads the int32 words ``t + 4 i`` of a key (four e4m3 bytes each, the same dims
+  as a 16-bit word of 4-bit codes), converted by `_FP8_ASM`; the query and the cache need no rotation
+  or norms.
 - Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square, read
   from the codebook in the kernel as `kernel_math.table_lookup_with_squares` does); ``||c||^2`` from a
   ones dot of the squares.
@@ -79,6 +83,13 @@ _V_ASM = gl.constexpr(
     "shr.b32 u, t, 4; and.b32 u, u, 0x000F000F; or.b32 $1, u, 0x43004300; "
     "shr.b32 u, t, 8; and.b32 u, u, 0x000F000F; or.b32 $2, u, 0x43004300; "
     "shr.b32 u, t, 12; and.b32 u, u, 0x000F000F; or.b32 $3, u, 0x43004300; }")
+# One 32-bit word of four fp8 e4m3 key bytes ($2; 4 copies in $2..$5) -> two bf16 pairs (bytes 0, 1 and 2, 3).
+# e4m3 -> f16 is exact (as is f16 -> f32 -> bf16), and NaN stays NaN, as the Triton kernels' fp8 cast.
+_FP8_ASM = gl.constexpr(
+    "{ .reg .b16 lo, hi, a0, a1, a2, a3; .reg .b32 h0, h1; .reg .f32 f0, f1, f2, f3; mov.b32 {lo, hi}, $2; "
+    "cvt.rn.f16x2.e4m3x2 h0, lo; cvt.rn.f16x2.e4m3x2 h1, hi; mov.b32 {a0, a1}, h0; mov.b32 {a2, a3}, h1; "
+    "cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; cvt.f32.f16 f2, a2; cvt.f32.f16 f3, a3; "
+    "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }")
 # One 8 x 8 bf16 fragment transposed across the warp (a pair of elements per thread).
 _TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 
@@ -114,20 +125,26 @@ def _page_blocks(bt_row, page0, page_hi, k_w5, v_w6, sk_w):
 
 
 @gluon.jit
-def _load_page(cache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
-               k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n):
+def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
+               k_stride_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n, KEY_FP8: gl.constexpr,
+               KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
     """Raw int16 words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: K code
     words ``[w, h, g, t, i]``, V code words ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm,
     scale and zero bits and the key's validity (live page and key < ``seq_len``)."""
     kblk, vblk, sblk = blocks
-    kbase, _ = _page_base(kblk, num_blocks, stride_cn, head_off)
-    kwords = gl.load(cache_ptr + (kbase + k_slot5 + k_word5))
+    kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
+    kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
     vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
     vwords = gl.load(cache_ptr + (vbase + v_slot6 + v_word6))
     sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
     ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
     sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
-    return kwords, vwords, gl.load(sptr + 32), gl.load(sptr + 65), gl.load(sptr + 66), ok
+    vscale = gl.load(sptr + SCALE_WORD)
+    if KEY_FP8:
+        knorm = vscale  # (fp8 keys have no norm; never read)
+    else:
+        knorm = gl.load(sptr + KEY_NORM_WORD)
+    return kwords, vwords, knorm, vscale, gl.load(sptr + ZERO_WORD), ok
 
 
 @gluon.jit
@@ -175,14 +192,19 @@ def _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW: gl.constexpr):
 
 
 @gluon.jit
-def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr, part_m_ptr,
-                        part_l_ptr, stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch, num_blocks,
-                        num_splits, num_q_heads, num_seqs, num_tokens, qk_scale, max_seq_len, G: gl.constexpr):
+def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr,
+                        part_m_ptr, part_l_ptr, stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch,
+                        k_stride_cn, k_stride_cp, k_stride_ch, num_blocks, num_splits, num_q_heads, num_seqs,
+                        num_tokens, qk_scale, max_seq_len, G: gl.constexpr, KEY_FP8: gl.constexpr,
+                        KEY_NORM_WORD: gl.constexpr, VALUE_WORD: gl.constexpr, SCALE_WORD: gl.constexpr,
+                        ZERO_WORD: gl.constexpr):
     """One (query row, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
-    ``q_ptr``: the rotated query ``[T, Hq, 128]`` bf16; ``cache_ptr``: the cache as int16 words;
-    ``cb_ptr``: the 16-entry fp32 key codebook. A row's sequence is `_token_owner`'s; each row is
+    ``q_ptr``: the query ``[T, Hq, 128]`` bf16 (rotated for mse keys); ``cache_ptr``: the cache as
+    int16 words; ``kcache_ptr`` and ``k_stride_*``: the cache as key words (int16 words of 4-bit
+    codes; int32 words of four fp8 keys with ``KEY_FP8``); ``cb_ptr``: the 16-entry fp32 key codebook
+    (not read with ``KEY_FP8``); ``*_WORD``: the slot's int16 word offsets of its fields. A row's sequence is `_token_owner`'s; each row is
     its own pass over its keys (one per sequence in a decode step; q_len > 1 is correct, not fast).
     """
     tok = gl.program_id(0)
@@ -217,6 +239,14 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     n_iter = (gl.maximum(page_hi - page_lo, 0) + NW - 1) // NW
     bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
     head_off = kv_head.to(gl.int64) * stride_ch
+    if KEY_FP8:
+        k_head_off = kv_head.to(gl.int64) * k_stride_ch
+        k_cn = k_stride_cn
+        k_cp = k_stride_cp
+    else:  # the same words as the values: one set of offsets
+        k_head_off = head_off
+        k_cn = stride_cn
+        k_cp = stride_cp
 
     # ---- query^T [w, 128, 8 rows] in the B layout, dims permuted: k = 16i + 8j1 + 2t + e <- 16i + 4t + 2j1 + e
     qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
@@ -236,7 +266,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     kw_t = gl.arange(0, 4, layout=_axis(KW, 3, 5))
     kw_i = gl.arange(0, 8, layout=_axis(KW, 4, 5))
     k_w5 = kw_w[:, None, None, None, None]
-    k_slot5 = (8 * kw_h[None, :, None, None, None] + kw_g[None, None, :, None, None]) * stride_cp
+    k_slot5 = (8 * kw_h[None, :, None, None, None] + kw_g[None, None, :, None, None]) * k_cp
     k_word5 = kw_t[None, None, None, :, None] + 4 * kw_i[None, None, None, None, :]
     # ---- V words
     vw_w = gl.arange(0, NW, layout=_axis(VW, 0, 6))
@@ -248,21 +278,24 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     v_w6 = vw_w[:, None, None, None, None, None]
     v_slot6 = (8 * vw_h[None, :, None, None, None, None] + 2 * vw_t[None, None, :, None, None, None]
                + vw_e[None, None, None, :, None, None]) * stride_cp
-    v_word6 = 33 + vw_g[None, None, None, None, :, None] + 8 * vw_i[None, None, None, None, None, :]
+    v_word6 = VALUE_WORD + vw_g[None, None, None, None, :, None] + 8 * vw_i[None, None, None, None, None, :]
     # ---- per-key scalars [w, key] in the score layout
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
 
-    # This lane's codebook entry with its fp16 square (`kernel_math._lane_entry`), the squares scaled by
-    # the power of two of `kv_tiles.key_square_scale` (``r * max|c|`` in [1, 2)).
-    CB: gl.constexpr = gl.BlockedLayout(size_per_thread=[16], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
-    cmax = gl.max(gl.abs(gl.load(cb_ptr + gl.arange(0, 16, layout=CB))), axis=0)
-    scale_bits = 0x7F000000 - (cmax.to(gl.int32, bitcast=True) & 0x7F800000)
-    square_scale = scale_bits.to(gl.float32, bitcast=True)
-    entry = gl.inline_asm_elementwise(
-        _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
-        [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK), gl.full([NW, 2, 8, 4, 8, 4], 15, gl.int32, PK),
-         gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
+    if KEY_FP8:
+        kzeros = gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK)
+    else:
+        # This lane's codebook entry with its fp16 square (`kernel_math._lane_entry`), the squares scaled by
+        # the power of two of `kv_tiles.key_square_scale` (``r * max|c|`` in [1, 2)).
+        CB: gl.constexpr = gl.BlockedLayout(size_per_thread=[16], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+        cmax = gl.max(gl.abs(gl.load(cb_ptr + gl.arange(0, 16, layout=CB))), axis=0)
+        scale_bits = 0x7F000000 - (cmax.to(gl.int32, bitcast=True) & 0x7F800000)
+        square_scale = scale_bits.to(gl.float32, bitcast=True)
+        entry = gl.inline_asm_elementwise(
+            _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
+            [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK), gl.full([NW, 2, 8, 4, 8, 4], 15, gl.int32, PK),
+             gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
 
     vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
     acc = gl.zeros([NW, 128, 8], gl.float32, MMA)  # O^T: dims x rows 0..7
@@ -272,36 +305,51 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     zero_s = gl.zeros([NW, 16, 8], gl.float32, MMA)
     # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
     blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w5, v_w6, sk_w)
-    cur = _load_page(cache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo, kv_end,
-                     num_blocks, stride_cn, stride_cp, head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n)
+    cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo,
+                     kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5,
+                     v_slot6, v_word6, sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
     for it in range(n_iter):
         kwords, vwords, knorm, vscale, vzero, ok = cur
-        cur = _load_page(cache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks, stride_cn, stride_cp,
-                         head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n)
+        cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks, stride_cn,
+                         stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w,
+                         sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
         blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w5, v_w6, sk_w)
-        kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
-        kc, ksq = gl.inline_asm_elementwise(_K_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
-                                            dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
-        # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
-        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]), [NW, 16, 128])
-        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]), [NW, 16, 128])
-        kc = gl.convert_layout(kc, A_L, assert_trivial=True)
-        ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
+        if KEY_FP8:
+            kx = gl.broadcast(gl.expand_dims(kwords, 5), kzeros)[0]
+            kc = gl.inline_asm_elementwise(_FP8_ASM, "=r,=r,r,r,r,r", [kx], dtype=gl.bfloat16, is_pure=True,
+                                           pack=4)
+            kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                            [NW, 16, 128])
+            kc = gl.convert_layout(kc, A_L, assert_trivial=True)
+        else:
+            kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
+            kc, ksq = gl.inline_asm_elementwise(_K_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
+                                                dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
+            # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
+            kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                            [NW, 16, 128])
+            ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                             [NW, 16, 128])
+            kc = gl.convert_layout(kc, A_L, assert_trivial=True)
+            ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
         vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
         vc = gl.inline_asm_elementwise(_V_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
                                        is_pure=True, pack=8)
         # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
         vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
         vc = gl.convert_layout(vc, A_L, assert_trivial=True)
-        knorm = knorm.to(gl.float16, bitcast=True).to(gl.float32)
         vscale = gl.where(ok, vscale.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
         vzero = gl.where(ok, vzero.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
 
-        # S^T [w, 16 keys, 8 rows] = K @ Q^T, and ||c||^2 per key (a ones dot of the squares)
+        # S^T [w, 16 keys, 8 rows] = K @ Q^T; mse keys: times norm / ||c|| (||c||^2: a ones dot of the squares)
         s = mma_v2(kc, q, zero_s)
-        nsq = mma_v2(ksq, ones, zero_s)
-        factor = gl.expand_dims(knorm * (square_scale * qk_scale), 2) * gl.rsqrt(nsq)
-        s = gl.where(gl.expand_dims(ok, 2), s * factor, float("-inf"))
+        if KEY_FP8:
+            s = gl.where(gl.expand_dims(ok, 2), s * qk_scale, float("-inf"))
+        else:
+            knorm = knorm.to(gl.float16, bitcast=True).to(gl.float32)
+            nsq = mma_v2(ksq, ones, zero_s)
+            factor = gl.expand_dims(knorm * (square_scale * qk_scale), 2) * gl.rsqrt(nsq)
+            s = gl.where(gl.expand_dims(ok, 2), s * factor, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -341,10 +389,22 @@ def gluon_decode_kernel(q_ptr, cache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     gl.store(part_l_ptr + part_r, l_all, mask=rr < G)
 
 
-# The slot format the kernel reads: `config.format_constexprs` of turboquant_4bit_nc at D = 128 (any
-# preset with the same fields would do; the raw dtype is not read).
-_FORMAT = {k: v for k, v in config.format_constexprs(tq_spec.layout("turboquant_4bit_nc", HEAD_DIM)).items()
-           if k != "RAW_DTYPE"}
+def _slot_format(preset: str) -> tuple:
+    """``config.format_constexprs`` of ``preset`` at D = 128 as a hashable key (the raw dtype, never
+    read by these slots, left out)."""
+    fmt = config.format_constexprs(tq_spec.layout(preset, HEAD_DIM))
+    return tuple(sorted((k, v) for k, v in fmt.items() if k != "RAW_DTYPE"))
+
+
+# The slot formats the kernel reads (any preset with the same fields would do), and its constexprs for
+# each: 4-bit norm-corrected mse keys or fp8 keys, 4-bit uniform values, fields as int16 word offsets.
+_FORMATS = {}
+for _preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
+    _fmt = dict(_slot_format(_preset))
+    _FORMATS[_slot_format(_preset)] = dict(
+        KEY_FP8=_fmt["KEY_FORMAT"] == config.KEY_FP8, KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2,
+        VALUE_WORD=_fmt["VALUE_OFF"] // 2, SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
+        ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2)
 # Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
 ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
 
@@ -362,8 +422,8 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
         return "needs a CUDA device (no interpreter)"
     if torch.cuda.get_device_capability(device)[0] != 9:
         return "built and measured for sm_90 (H100/H200) only"
-    if any(fmt.get(k) != v for k, v in _FORMAT.items()):
-        return f"reads the turboquant_4bit_nc slot at D={HEAD_DIM} only"
+    if _format_key(fmt) not in _FORMATS:
+        return f"reads the turboquant_4bit_nc and turboquant_k8v4 slots at D={HEAD_DIM} only"
     if page != PAGE_SIZE or n < 1:
         return f"needs {PAGE_SIZE}-slot pages and at least one block"
     if num_q_heads % hkv or num_q_heads // hkv > MAX_GROUP:
@@ -373,6 +433,19 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
     if num_tokens > num_seqs:
         return "decode steps only (num_tokens <= num_seqs): one pass over the keys per query token"
     return None
+
+
+def _format_key(fmt: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in fmt.items() if k != "RAW_DTYPE"))
+
+
+def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
+    """Whether this call's cache can be read as the spec's key words: fp8 keys are read as int32 words,
+    so the cache's address and strides must be multiples of 4 bytes (a per-call fact; the decode
+    path takes the Triton kernels otherwise)."""
+    if not spec[-1]["KEY_FP8"]:
+        return True
+    return not kv_cache.data_ptr() % 4 and all(st % 4 == 0 for st in kv_cache.stride()[:-1])
 
 
 def num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int, max_context: int,
@@ -396,36 +469,45 @@ def num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads
     return splits
 
 
-def decode_spec(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int, max_blocks: int,
-                num_splits: int, has_sinks: bool) -> tuple:
-    """The static part of a launch (kernel + merge sites, buffer sizes), for `launch_decode_spec`."""
+def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int,
+                max_blocks: int, num_splits: int, has_sinks: bool) -> tuple:
+    """The static part of a launch (kernel + merge sites, buffer sizes), for `launch_decode_spec`.
+
+    ``fmt``: `config.format_constexprs` of the cache's preset (one `ineligible` accepts).
+    """
     rows = num_tokens * num_q_heads * num_splits
-    split = kernel_site(gluon_decode_kernel, dict(G=num_q_heads // num_kv_heads, num_warps=4, maxnreg=MAXNREG))
+    slot = _FORMATS[_format_key(fmt)]
+    split = kernel_site(gluon_decode_kernel, dict(G=num_q_heads // num_kv_heads, **slot, num_warps=4,
+                                                  maxnreg=MAXNREG))
     merge = kernel_site(_decode_merge_kernel, dict(
         SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=HEAD_DIM, D_PAD=HEAD_DIM, HAS_SINKS=has_sinks,
         OUT_DTYPE=tl.bfloat16, INTERPRET=False, num_warps=4))
     return (split, (num_tokens, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads), rows * (HEAD_DIM + 2),
-            (rows * HEAD_DIM, rows, rows), num_splits, num_seqs, max_blocks * PAGE_SIZE)
+            (rows * HEAD_DIM, rows, rows), num_splits, num_seqs, max_blocks * PAGE_SIZE, slot)
 
 
-def launch_decode_spec(spec: tuple, q_rot: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
+def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
                        centroids: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], sm_scale: float) -> None:
-    """Decode of a turboquant_4bit_nc cache into ``out`` ``[T, Hq, 128]`` bf16: kernel, then the merge.
+    """Decode into ``out`` ``[T, Hq, 128]`` bf16: the kernel, then the merge.
 
-    ``q_rot``: the rotated query ``[T, Hq, 128]`` bf16 (`rotation.rotate_query`, last dim contiguous);
-    ``cache_i16``: the cache ``uint8[N, 16, Hkv, 134]`` viewed as int16; ``centroids``: fp32 ``[16]``;
-    ``block_table`` int32 ``[B, max_blocks]`` (last dim contiguous); ``seq_lens`` int32 ``[B]`` and
-    ``query_start_loc`` int32 ``[B + 1]`` contiguous; ``sinks`` None or fp32 ``[Hq]``. Any metadata
-    values are safe (`gluon_decode_kernel`); rows past ``query_start_loc[B]`` come out zero.
+    ``q``: the query ``[T, Hq, 128]`` bf16, last dim contiguous (rotated by `rotation.rotate_query`
+    for mse keys); ``cache_i16``: the cache ``uint8[N, 16, Hkv, slot_bytes]`` viewed as int16 (for
+    fp8 keys `aligned` must hold); ``centroids``: the fp32 ``[16]`` key codebook (any tensor for fp8
+    keys: not read); ``block_table`` int32 ``[B, max_blocks]`` (last dim contiguous); ``seq_lens``
+    int32 ``[B]`` and ``query_start_loc`` int32 ``[B + 1]`` contiguous; ``sinks`` None or fp32
+    ``[Hq]``. Any metadata values are safe (`gluon_decode_kernel`); rows past
+    ``query_start_loc[B]`` come out zero.
     """
-    split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len = spec
-    t, hq, _ = q_rot.shape
-    parts = torch.empty(part_numel, dtype=torch.float32, device=q_rot.device)
+    split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len, slot = spec
+    t, hq, _ = q.shape
+    parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
     part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
     cs = cache_i16.stride()
-    split(grid, (q_rot, cache_i16, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l),
-          (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), cs[0], cs[1], cs[2], cache_i16.shape[0], splits,
-           hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len))
+    kcache = cache_i16.view(torch.int32) if slot["KEY_FP8"] else cache_i16
+    ks = kcache.stride()
+    split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l),
+          (q.stride(0), q.stride(1), block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
+           cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len))
     merge(merge_grid, (part_acc, part_m, part_l, part_m if sinks is None else sinks, out, query_start_loc),
           (out.stride(0), out.stride(1), hq, splits, num_seqs))

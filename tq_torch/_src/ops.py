@@ -114,8 +114,9 @@ def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: tor
                 interpret: bool) -> Optional[tuple]:
     """`gluon_decode.decode_spec` where the Gluon decode may run this call's static shapes, else None.
 
-    The decode path's fast kernel for 4-bit caches on sm_90 (`gluon_decode`): same function, same
-    partials and merge; a call with a sliding window or a soft cap still takes the Triton kernels.
+    The decode path's fast kernel for 4bit_nc and k8v4 caches on sm_90 (`gluon_decode`): same
+    function, same partials and merge; a call with a sliding window or a soft cap (or, for fp8 keys,
+    a cache not 4-byte aligned) still takes the Triton kernels.
     """
     t, hq, _ = query.shape
     num_seqs, max_blocks = block_table.shape
@@ -127,7 +128,7 @@ def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: tor
     splits = num_splits or gluon_decode.num_splits(
         num_seqs=num_seqs, num_kv_heads=hkv, num_tokens=t, num_q_heads=hq,
         max_context=max_blocks * kv_cache.shape[1], device=kv_cache.device)
-    return gluon_decode.decode_spec(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, num_seqs=num_seqs,
+    return gluon_decode.decode_spec(fmt, num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, num_seqs=num_seqs,
                                     max_blocks=max_blocks, num_splits=splits, has_sinks=sinks is not None)
 
 
@@ -164,7 +165,8 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     cache_i16 = kv_cache.view(torch.int16)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
-    if path == "decode" and plan.gluon is not None and not sliding_window and not logits_soft_cap:
+    if (path == "decode" and plan.gluon is not None and not sliding_window and not logits_soft_cap
+            and gluon_decode.aligned(plan.gluon, kv_cache)):
         gluon_decode.launch_decode_spec(plan.gluon, q, out, cache_i16, cents, block_table, seq_lens,
                                         query_start_loc, sinks, float(scale))
         return
