@@ -128,9 +128,11 @@ def _page_blocks(bt_row, page0, page_hi, k_w5, v_w6, sk_w):
 def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
                k_stride_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n, KEY_FP8: gl.constexpr,
                KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
-    """Raw int16 words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: K code
-    words ``[w, h, g, t, i]``, V code words ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm,
-    scale and zero bits and the key's validity (live page and key < ``seq_len``)."""
+    """Raw words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: key words
+    ``[w, h, g, t, i]`` (int16 code words, or int32 words of four fp8 keys, from ``kcache_ptr``), V
+    code words ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm (mse keys; the scale bits
+    stand in for fp8 keys, never read), scale and zero bits and the key's validity (live page and
+    key < ``seq_len``)."""
     kblk, vblk, sblk = blocks
     kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
     kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
@@ -204,8 +206,9 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     ``q_ptr``: the query ``[T, Hq, 128]`` bf16 (rotated for mse keys); ``cache_ptr``: the cache as
     int16 words; ``kcache_ptr`` and ``k_stride_*``: the cache as key words (int16 words of 4-bit
     codes; int32 words of four fp8 keys with ``KEY_FP8``); ``cb_ptr``: the 16-entry fp32 key codebook
-    (not read with ``KEY_FP8``); ``*_WORD``: the slot's int16 word offsets of its fields. A row's sequence is `_token_owner`'s; each row is
-    its own pass over its keys (one per sequence in a decode step; q_len > 1 is correct, not fast).
+    (not read with ``KEY_FP8``); ``*_WORD``: the slot's int16 word offsets of its fields. A row's
+    sequence is `_token_owner`'s; each row is its own pass over its keys (one per sequence in a
+    decode step; q_len > 1 is correct, not fast).
     """
     tok = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -389,11 +392,15 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     gl.store(part_l_ptr + part_r, l_all, mask=rr < G)
 
 
-def _slot_format(preset: str) -> tuple:
-    """``config.format_constexprs`` of ``preset`` at D = 128 as a hashable key (the raw dtype, never
-    read by these slots, left out)."""
-    fmt = config.format_constexprs(tq_spec.layout(preset, HEAD_DIM))
+def _format_key(fmt: dict) -> tuple:
+    """A `config.format_constexprs` dict as a hashable key, without the raw dtype (never read by
+    these slots)."""
     return tuple(sorted((k, v) for k, v in fmt.items() if k != "RAW_DTYPE"))
+
+
+def _slot_format(preset: str) -> tuple:
+    """`_format_key` of ``preset``'s slot at D = 128."""
+    return _format_key(config.format_constexprs(tq_spec.layout(preset, HEAD_DIM)))
 
 
 # The slot formats the kernel reads (any preset with the same fields would do), and its constexprs for
@@ -435,10 +442,6 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
     return None
 
 
-def _format_key(fmt: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in fmt.items() if k != "RAW_DTYPE"))
-
-
 def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
     """Whether this call's cache can be read as the spec's key words: fp8 keys are read as int32 words,
     so the cache's address and strides must be multiples of 4 bytes (a per-call fact; the decode
@@ -448,7 +451,7 @@ def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
     return not kv_cache.data_ptr() % 4 and all(st % 4 == 0 for st in kv_cache.stride()[:-1])
 
 
-def num_splits(*, num_seqs: int, num_kv_heads: int, num_tokens: int, num_q_heads: int, max_context: int,
+def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, max_context: int,
                device: torch.device) -> int:
     """Splits per (row, kv head), from static shapes only (CUDA-graph safe).
 
