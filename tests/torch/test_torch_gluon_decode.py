@@ -1,4 +1,5 @@
-"""The Gluon decode (`tq_torch._src.gluon_decode`), the decode path's kernel for 4bit_nc and k8v4 caches on sm_90.
+"""The Gluon decode (`tq_torch._src.gluon_decode`), the decode path's kernel for 4bit_nc, k3v4_nc and k8v4 caches
+on sm_90.
 
 CPU: it compiles for sm_90a, and its key loop keeps every tile in registers (no shared memory,
 no barrier). GPU (``-m gpu``): the default path takes it; its output matches the float64 reference
@@ -24,7 +25,7 @@ import tq_torch
 from tq_torch._src.api import _paged_attention
 from tq_torch_testlib import AttnCase, build, check_against_reference
 
-PRESETS = ("turboquant_4bit_nc", "turboquant_k8v4")  # the slots the kernel reads
+PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4")  # the slots the kernel reads
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,7 +41,7 @@ from tq_torch._src import gluon_decode
 slot = gluon_decode._FORMATS[gluon_decode._slot_format(sys.argv[1])]
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
         "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
-sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_FP8"] else "*i16", cb_ptr="*fp32",
+sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_BITS"] == 8 else "*i16", cb_ptr="*fp32",
            bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", part_acc_ptr="*fp32", part_m_ptr="*fp32",
            part_l_ptr="*fp32", **{n: "i32" for n in ints}, qk_scale="fp32", max_seq_len="i32",
            **{k: "constexpr" for k in ("G", *slot)})
@@ -51,7 +52,7 @@ print(kernel.asm["ttgir"])
 """
 
 
-@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k8v4", 2)])
+@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3), ("turboquant_k8v4", 2)])
 def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -124,7 +125,7 @@ def _rows(built, seq):
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
 @pytest.mark.parametrize("num_splits", (0, 1, 3, 16))
 def test_gpu_gluon_decode_matches_reference(preset, case, num_splits, monkeypatch):
-    """The default path of a 4-bit decode on sm_90 runs the Gluon kernel, through the parity tolerance
+    """The default path of a decode of these presets on sm_90 runs the Gluon kernel, through the parity tolerance
     (0 = the automatic split count users get)."""
     built = build(case, preset, dev=torch.device("cuda"))
     counting = _Counting(monkeypatch)

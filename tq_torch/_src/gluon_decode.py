@@ -1,12 +1,12 @@
 """Gluon decode for 4-bit-value caches on sm_90+: no shared memory and no barrier in the key loop.
 
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
-(4-bit mse keys) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA group of
-at most 8, a bfloat16 query and output, an sm_90 device, at most one query row per sequence on
-average (``T <= B``: decode steps; each row is its own program, so a sequence with more rows is
-correct, one pass over its keys per row), sinks; no sliding window or soft cap (those calls keep
-the Triton kernels). Same function, partials and merge as `decode`; the same metadata guards
-(`_token_owner`, `_page_base`, clamped lengths).
+(4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys) and ``turboquant_k8v4`` (fp8 keys) slots at
+D = 128, page size 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90 device, at
+most one query row per sequence on average (``T <= B``: decode steps; each row is its own program,
+so a sequence with more rows is correct, one pass over its keys per row), sinks; no sliding window
+or soft cap (those calls keep the Triton kernels). Same function, partials and merge as `decode`;
+the same metadata guards (`_token_owner`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
 L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
@@ -25,7 +25,11 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
 - fp8 keys: lane ``t`` reads the int32 words ``t + 4 i`` of a key (four e4m3 bytes each, the same dims
   as a 16-bit word of 4-bit codes), converted by `_FP8_ASM`; the query and the cache need no rotation
   or norms.
-- Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 16`` with its fp16 square, read
+- 3-bit keys: lane ``t`` reads int16 words ``6t .. 6t + 5`` of a key (its 48 code bytes split in four:
+  96 bits, codes ``32t .. 32t + 31`` of the LSB-first stream), cut into eight 12-bit fields of four codes
+  (`_K3_FIELDS_ASM`); field ``i`` stands where 4-bit word ``t + 4i`` does, so the query's dims are
+  permuted to ``32 t + 4 i + 2 j1 + e`` instead.
+- Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 2**bits`` with its fp16 square, read
   from the codebook in the kernel as `kernel_math.table_lookup_with_squares` does); ``||c||^2`` from a
   ones dot of the squares.
 - The next page's words are loaded before the current page is used (distance 1, in registers), and
@@ -66,15 +70,30 @@ PROGRAMS_PER_SM = 3  # resident programs per SM at MAXNREG
 WAVES = 2
 MIN_SPLIT_PAGES = 16
 
-# One 16-bit word of 4-bit key codes (sign-extended, 4 copies in $4..$7) and this lane's table entry
-# ($8..$11, `_LANE_ENTRY`) -> $0, $1: bf16 centroid pairs of nibbles (0, 1), (2, 3); $2, $3: their fp16
-# squares. A shuffle reads only the low 5 bits of its lane index: entries repeat every 16 lanes.
-_K_ASM = gl.constexpr(
-    "{ .reg .b32 c1, c2, c3, e0, e1, e2, e3; shr.b32 c1, $4, 4; shr.b32 c2, $4, 8; shr.b32 c3, $4, 12; "
-    "shfl.sync.idx.b32 e0, $8, $4, 0x1f, 0xffffffff; shfl.sync.idx.b32 e1, $8, c1, 0x1f, 0xffffffff; "
-    "shfl.sync.idx.b32 e2, $8, c2, 0x1f, 0xffffffff; shfl.sync.idx.b32 e3, $8, c3, 0x1f, 0xffffffff; "
-    "prmt.b32 $0, e0, e1, 0x5410; prmt.b32 $1, e2, e3, 0x5410; "
-    "prmt.b32 $2, e0, e1, 0x7632; prmt.b32 $3, e2, e3, 0x7632; }")
+
+def _key_lookup_asm(bits: int) -> str:
+    """One 32-bit word holding four ``bits``-bit key codes from bit 0 (any bits above; 4 copies in
+    $4..$7) and this lane's table entry ($8..$11, `_LANE_ENTRY`) -> $0, $1: bf16 centroid pairs of
+    codes (0, 1), (2, 3); $2, $3: their fp16 squares. A shuffle reads only the low 5 bits of its lane
+    index and entries repeat every ``2**bits`` lanes, so the bits above a code never matter."""
+    return ("{ .reg .b32 c1, c2, c3, e0, e1, e2, e3; "
+            f"shr.b32 c1, $4, {bits}; shr.b32 c2, $4, {2 * bits}; shr.b32 c3, $4, {3 * bits}; "
+            "shfl.sync.idx.b32 e0, $8, $4, 0x1f, 0xffffffff; shfl.sync.idx.b32 e1, $8, c1, 0x1f, 0xffffffff; "
+            "shfl.sync.idx.b32 e2, $8, c2, 0x1f, 0xffffffff; shfl.sync.idx.b32 e3, $8, c3, 0x1f, 0xffffffff; "
+            "prmt.b32 $0, e0, e1, 0x5410; prmt.b32 $1, e2, e3, 0x5410; "
+            "prmt.b32 $2, e0, e1, 0x7632; prmt.b32 $3, e2, e3, 0x7632; }")
+
+
+_K4_ASM = gl.constexpr(_key_lookup_asm(4))
+_K3_ASM = gl.constexpr(_key_lookup_asm(3))
+# A lane's 96 bits of 3-bit key codes, int16 words 0..3 and 2..5 (sign-extended, $8..$15) -> the eight
+# 12-bit fields of four codes each ($0..$7, bits above a field left as they fall): fields 4i..4i+3 are
+# the 48 bits of words 3i..3i+2, at bits 0, 12, 24 and 36.
+_K3_FIELDS_ASM = gl.constexpr(
+    "{ .reg .b32 y; prmt.b32 $0, $8, $9, 0x5410; shr.b32 $1, $0, 12; prmt.b32 y, $9, $10, 0x5410; "
+    "shr.b32 $2, y, 8; shr.b32 $3, y, 20; prmt.b32 $4, $11, $14, 0x5410; shr.b32 $5, $4, 12; "
+    "prmt.b32 y, $14, $15, 0x5410; shr.b32 $6, y, 8; shr.b32 $7, y, 20; }")
+_K3_FIELDS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
 # 16-bit words of 4-bit value codes of two keys ($4, $5; 8 inputs, the rest copies) -> four bf16 pairs
 # (128 + code_j of the first key, 128 + code_j of the second), j = 0..3 (`kernel_math.biased_code_operand`).
 _V_ASM = gl.constexpr(
@@ -129,7 +148,7 @@ def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride
                k_stride_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n, KEY_FP8: gl.constexpr,
                KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
     """Raw words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: key words
-    ``[w, h, g, t, i]`` (int16 code words, or int32 words of four fp8 keys, from ``kcache_ptr``), V
+    (``k_slot5 + k_word5``'s shape: int16 code words, or int32 words of four fp8 keys, from ``kcache_ptr``), V
     code words ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm (mse keys; the scale bits
     stand in for fp8 keys, never read), scale and zero bits and the key's validity (live page and
     key < ``seq_len``)."""
@@ -147,6 +166,35 @@ def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride
     else:
         knorm = gl.load(sptr + KEY_NORM_WORD)
     return kwords, vwords, knorm, vscale, gl.load(sptr + ZERO_WORD), ok
+
+
+@gluon.jit
+def _key_words(KW: gl.constexpr, NW: gl.constexpr, k_cp):
+    """Index tensors of the key words ``[w, h, g, t, i]`` (layout ``KW``): warp, slot offset of key
+    ``8h + g`` (``k_cp`` words per slot) and word ``t + 4i`` of its codes."""
+    kw_w = gl.arange(0, NW, layout=_axis(KW, 0, 5))
+    kw_h = gl.arange(0, 2, layout=_axis(KW, 1, 5))
+    kw_g = gl.arange(0, 8, layout=_axis(KW, 2, 5))
+    kw_t = gl.arange(0, 4, layout=_axis(KW, 3, 5))
+    kw_i = gl.arange(0, 8, layout=_axis(KW, 4, 5))
+    return (kw_w[:, None, None, None, None],
+            (8 * kw_h[None, :, None, None, None] + kw_g[None, None, :, None, None]) * k_cp,
+            kw_t[None, None, None, :, None] + 4 * kw_i[None, None, None, None, :])
+
+
+@gluon.jit
+def _key_words_3bit(KW: gl.constexpr, NW: gl.constexpr, k_cp):
+    """`_key_words` for 3-bit codes, ``[w, h, g, t, half, c]``: word ``6t + 2 half + c`` of key ``8h + g``."""
+    kw_w = gl.arange(0, NW, layout=_axis(KW, 0, 6))
+    kw_h = gl.arange(0, 2, layout=_axis(KW, 1, 6))
+    kw_g = gl.arange(0, 8, layout=_axis(KW, 2, 6))
+    kw_t = gl.arange(0, 4, layout=_axis(KW, 3, 6))
+    kw_half = gl.arange(0, 2, layout=_axis(KW, 4, 6))
+    kw_c = gl.arange(0, 4, layout=_axis(KW, 5, 6))
+    return (kw_w[:, None, None, None, None, None],
+            (8 * kw_h[None, :, None, None, None, None] + kw_g[None, None, :, None, None, None]) * k_cp,
+            6 * kw_t[None, None, None, :, None, None] + 2 * kw_half[None, None, None, None, :, None]
+            + kw_c[None, None, None, None, None, :])
 
 
 @gluon.jit
@@ -197,30 +245,38 @@ def _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW: gl.constexpr):
 def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr,
                         part_m_ptr, part_l_ptr, stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch,
                         k_stride_cn, k_stride_cp, k_stride_ch, num_blocks, num_splits, num_q_heads, num_seqs,
-                        num_tokens, qk_scale, max_seq_len, G: gl.constexpr, KEY_FP8: gl.constexpr,
+                        num_tokens, qk_scale, max_seq_len, G: gl.constexpr, KEY_BITS: gl.constexpr,
                         KEY_NORM_WORD: gl.constexpr, VALUE_WORD: gl.constexpr, SCALE_WORD: gl.constexpr,
                         ZERO_WORD: gl.constexpr):
     """One (query row, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
     ``q_ptr``: the query ``[T, Hq, 128]`` bf16 (rotated for mse keys); ``cache_ptr``: the cache as
-    int16 words; ``kcache_ptr`` and ``k_stride_*``: the cache as key words (int16 words of 4-bit
-    codes; int32 words of four fp8 keys with ``KEY_FP8``); ``cb_ptr``: the 16-entry fp32 key codebook
-    (not read with ``KEY_FP8``); ``*_WORD``: the slot's int16 word offsets of its fields. A row's
-    sequence is `_token_owner`'s; each row is its own pass over its keys (one per sequence in a
-    decode step; q_len > 1 is correct, not fast).
+    int16 words; ``kcache_ptr`` and ``k_stride_*``: the cache as key words (int16 words of 3- or
+    4-bit codes, ``KEY_BITS`` 3 or 4; int32 words of four fp8 keys, ``KEY_BITS`` 8); ``cb_ptr``: the
+    ``2**KEY_BITS``-entry fp32 key codebook (not read for fp8 keys); ``*_WORD``: the slot's int16
+    word offsets of its fields. A row's sequence is `_token_owner`'s; each row is its own pass over
+    its keys (one per sequence in a decode step; q_len > 1 is correct, not fast).
     """
     tok = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
     NW: gl.constexpr = 4
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    # K words [w, h, g, t, i] (+ nibble j): key 8h + g, word t + 4i of the key codes.
+    # K words [w, h, g, t, i] (+ code j): key 8h + g, word t + 4i of the key codes (4 bits, fp8), or
+    # field i of four codes (3 bits).
     PK: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 8, 4], threads_per_warp=[1, 1, 8, 4, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
-    KW: gl.constexpr = gl.SliceLayout(5, PK)
+    if KEY_BITS == 3:
+        # Loaded 3-bit key words [w, h, g, t, half, c]: key 8h + g, int16 word 6t + 2 half + c (lane t's
+        # 96 bits: codes 32t..32t+31; words 2 and 3 are read twice, keeping the shape a power of two).
+        KW: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 2, 4], threads_per_warp=[1, 1, 8, 4, 1, 1],
+                                            warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
+    else:
+        KW: gl.constexpr = gl.SliceLayout(5, PK)
     # V words [w, h, t, e, g, i] (+ nibble j): key 8h + 2t + e, word g + 8i of the value codes.
     PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 4, 4], threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
@@ -251,10 +307,14 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         k_cn = stride_cn
         k_cp = stride_cp
 
-    # ---- query^T [w, 128, 8 rows] in the B layout, dims permuted: k = 16i + 8j1 + 2t + e <- 16i + 4t + 2j1 + e
+    # ---- query^T [w, 128, 8 rows] in the B layout, dims permuted to the codes a lane holds: k = 16i + 8j1 +
+    # 2t + e <- 16i + 4t + 2j1 + e (word t + 4i, code 2j1 + e), or for 3 bits 32t + 4i + 2j1 + e (lane t's codes)
     qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
     qr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
-    qmem = 16 * (qk // 16) + 4 * ((qk // 2) % 4) + 2 * ((qk // 8) % 2) + qk % 2
+    if KEY_BITS == 3:
+        qmem = 32 * ((qk // 2) % 4) + 4 * (qk // 16) + 2 * ((qk // 8) % 2) + qk % 2
+    else:
+        qmem = 16 * (qk // 16) + 4 * ((qk // 2) % 4) + 2 * ((qk // 8) % 2) + qk % 2
     qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 2)
     qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
     qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
@@ -263,14 +323,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     ones = gl.full([NW, 128, 8], 1.0, gl.float16, B_L)
 
     # ---- index tensors, K words
-    kw_w = gl.arange(0, NW, layout=_axis(KW, 0, 5))
-    kw_h = gl.arange(0, 2, layout=_axis(KW, 1, 5))
-    kw_g = gl.arange(0, 8, layout=_axis(KW, 2, 5))
-    kw_t = gl.arange(0, 4, layout=_axis(KW, 3, 5))
-    kw_i = gl.arange(0, 8, layout=_axis(KW, 4, 5))
-    k_w5 = kw_w[:, None, None, None, None]
-    k_slot5 = (8 * kw_h[None, :, None, None, None] + kw_g[None, None, :, None, None]) * k_cp
-    k_word5 = kw_t[None, None, None, :, None] + 4 * kw_i[None, None, None, None, :]
+    if KEY_BITS == 3:
+        k_w5, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp)
+    else:
+        k_w5, k_slot5, k_word5 = _key_words(KW, NW, k_cp)
     # ---- V words
     vw_w = gl.arange(0, NW, layout=_axis(VW, 0, 6))
     vw_h = gl.arange(0, 2, layout=_axis(VW, 1, 6))
@@ -291,13 +347,16 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     else:
         # This lane's codebook entry with its fp16 square (`kernel_math._lane_entry`), the squares scaled by
         # the power of two of `kv_tiles.key_square_scale` (``r * max|c|`` in [1, 2)).
-        CB: gl.constexpr = gl.BlockedLayout(size_per_thread=[16], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
-        cmax = gl.max(gl.abs(gl.load(cb_ptr + gl.arange(0, 16, layout=CB))), axis=0)
+        ENTRIES: gl.constexpr = 1 << KEY_BITS
+        CB: gl.constexpr = gl.BlockedLayout(size_per_thread=[ENTRIES], threads_per_warp=[32], warps_per_cta=[NW],
+                                            order=[0])
+        cmax = gl.max(gl.abs(gl.load(cb_ptr + gl.arange(0, ENTRIES, layout=CB))), axis=0)
         scale_bits = 0x7F000000 - (cmax.to(gl.int32, bitcast=True) & 0x7F800000)
         square_scale = scale_bits.to(gl.float32, bitcast=True)
         entry = gl.inline_asm_elementwise(
             _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
-            [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK), gl.full([NW, 2, 8, 4, 8, 4], 15, gl.int32, PK),
+            [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK),
+             gl.full([NW, 2, 8, 4, 8, 4], ENTRIES - 1, gl.int32, PK),
              gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
 
     vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
@@ -325,9 +384,18 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                             [NW, 16, 128])
             kc = gl.convert_layout(kc, A_L, assert_trivial=True)
         else:
-            kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
-            kc, ksq = gl.inline_asm_elementwise(_K_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
-                                                dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
+            if KEY_BITS == 3:
+                fields = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS,
+                                                   [kwords.to(gl.int32)], dtype=gl.int32, is_pure=True, pack=8)
+                fields = gl.convert_layout(gl.reshape(fields, [NW, 2, 8, 4, 8]), gl.SliceLayout(5, PK),
+                                           assert_trivial=True)
+                kx = gl.broadcast(gl.expand_dims(fields, 5), entry)[0]
+                kc, ksq = gl.inline_asm_elementwise(_K3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
+                                                    dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
+            else:
+                kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
+                kc, ksq = gl.inline_asm_elementwise(_K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
+                                                    dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
             # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
             kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
                             [NW, 16, 128])
@@ -404,13 +472,14 @@ def _slot_format(preset: str) -> tuple:
 
 
 # The slot formats the kernel reads (any preset with the same fields would do), and its constexprs for
-# each: 4-bit norm-corrected mse keys or fp8 keys, 4-bit uniform values, fields as int16 word offsets.
+# each: 3- or 4-bit norm-corrected mse keys or fp8 keys, 4-bit uniform values, fields as int16 word offsets.
 _FORMATS = {}
-for _preset in ("turboquant_4bit_nc", "turboquant_k8v4"):
+for _preset in ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"):
     _fmt = dict(_slot_format(_preset))
     _FORMATS[_slot_format(_preset)] = dict(
-        KEY_FP8=_fmt["KEY_FORMAT"] == config.KEY_FP8, KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2,
-        VALUE_WORD=_fmt["VALUE_OFF"] // 2, SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
+        KEY_BITS=8 if _fmt["KEY_FORMAT"] == config.KEY_FP8 else _fmt["KEY_BITS"],
+        KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2, VALUE_WORD=_fmt["VALUE_OFF"] // 2,
+        SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
         ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2)
 # Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
 ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
@@ -430,7 +499,7 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
     if torch.cuda.get_device_capability(device)[0] != 9:
         return "built and measured for sm_90 (H100/H200) only"
     if _format_key(fmt) not in _FORMATS:
-        return f"reads the turboquant_4bit_nc and turboquant_k8v4 slots at D={HEAD_DIM} only"
+        return f"reads the turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_k8v4 slots at D={HEAD_DIM} only"
     if page != PAGE_SIZE or n < 1:
         return f"needs {PAGE_SIZE}-slot pages and at least one block"
     if num_q_heads % hkv or num_q_heads // hkv > MAX_GROUP:
@@ -446,7 +515,7 @@ def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
     """Whether this call's cache can be read as the spec's key words: fp8 keys are read as int32 words,
     so the cache's address and strides must be multiples of 4 bytes (a per-call fact; the decode
     path takes the Triton kernels otherwise)."""
-    if not spec[-1]["KEY_FP8"]:
+    if spec[-1]["KEY_BITS"] != 8:
         return True
     return not kv_cache.data_ptr() % 4 and all(st % 4 == 0 for st in kv_cache.stride()[:-1])
 
@@ -507,7 +576,7 @@ def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i1
     parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
     part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
     cs = cache_i16.stride()
-    kcache = cache_i16.view(torch.int32) if slot["KEY_FP8"] else cache_i16
+    kcache = cache_i16.view(torch.int32) if slot["KEY_BITS"] == 8 else cache_i16
     ks = kcache.stride()
     split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l),
           (q.stride(0), q.stride(1), block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
