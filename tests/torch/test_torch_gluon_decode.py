@@ -1,5 +1,5 @@
-"""The Gluon decode (`tq_torch._src.gluon_decode`), the decode path's kernel for 4bit_nc, k3v4_nc and k8v4 caches
-on sm_90.
+"""The Gluon decode (`tq_torch._src.gluon_decode`), the decode path's kernel for 4bit_nc, k3v4_nc, 3bit_nc and k8v4
+caches on sm_90.
 
 CPU: it compiles for sm_90a, and its key loop keeps every tile in registers (no shared memory,
 no barrier). GPU (``-m gpu``): the default path takes it; its output matches the float64 reference
@@ -25,7 +25,8 @@ import tq_torch
 from tq_torch._src.api import _paged_attention
 from tq_torch_testlib import AttnCase, build, check_against_reference
 
-PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4")  # the slots the kernel reads
+# The slots the kernel reads.
+PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -52,7 +53,8 @@ print(kernel.asm["ttgir"])
 """
 
 
-@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3), ("turboquant_k8v4", 2)])
+@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3), ("turboquant_3bit_nc", 3),
+                                          ("turboquant_k8v4", 2)])
 def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

@@ -1,8 +1,8 @@
-"""Gluon decode for 4-bit-value caches on sm_90+: no shared memory and no barrier in the key loop.
+"""Gluon decode for TurboQuant caches on sm_90+: no shared memory and no barrier in the key loop.
 
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
-(4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys) and ``turboquant_k8v4`` (fp8 keys) slots at
-D = 128, page size 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90 device, at
+(4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys), ``turboquant_3bit_nc`` (3-bit keys and
+values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90 device, at
 most one query row per sequence on average (``T <= B``: decode steps; each row is its own program,
 so a sequence with more rows is correct, one pass over its keys per row), sinks; no sliding window
 or soft cap (those calls keep the Triton kernels). Same function, partials and merge as `decode`;
@@ -29,6 +29,9 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
   96 bits, codes ``32t .. 32t + 31`` of the LSB-first stream), cut into eight 12-bit fields of four codes
   (`_K3_FIELDS_ASM`); field ``i`` stands where 4-bit word ``t + 4i`` does, so the query's dims are
   permuted to ``32 t + 4 i + 2 j1 + e`` instead.
+- 3-bit values: lane ``g`` reads int16 words ``3g .. 3g + 2`` of each of its keys (codes ``16g .. 16g + 15``),
+  cut into four fields (`_V3_FIELDS_ASM`) that stand where 4-bit words ``g + 8i`` do; the output's rows
+  are permuted back on the store.
 - Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 2**bits`` with its fp16 square, read
   from the codebook in the kernel as `kernel_math.table_lookup_with_squares` does); ``||c||^2`` from a
   ones dot of the squares.
@@ -94,14 +97,27 @@ _K3_FIELDS_ASM = gl.constexpr(
     "shr.b32 $2, y, 8; shr.b32 $3, y, 20; prmt.b32 $4, $11, $14, 0x5410; shr.b32 $5, $4, 12; "
     "prmt.b32 y, $14, $15, 0x5410; shr.b32 $6, y, 8; shr.b32 $7, y, 20; }")
 _K3_FIELDS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
-# 16-bit words of 4-bit value codes of two keys ($4, $5; 8 inputs, the rest copies) -> four bf16 pairs
-# (128 + code_j of the first key, 128 + code_j of the second), j = 0..3 (`kernel_math.biased_code_operand`).
-_V_ASM = gl.constexpr(
-    "{ .reg .b32 t, u; prmt.b32 t, $4, $5, 0x5410; "
-    "and.b32 u, t, 0x000F000F; or.b32 $0, u, 0x43004300; "
-    "shr.b32 u, t, 4; and.b32 u, u, 0x000F000F; or.b32 $1, u, 0x43004300; "
-    "shr.b32 u, t, 8; and.b32 u, u, 0x000F000F; or.b32 $2, u, 0x43004300; "
-    "shr.b32 u, t, 12; and.b32 u, u, 0x000F000F; or.b32 $3, u, 0x43004300; }")
+
+
+def _value_codes_asm(bits: int) -> str:
+    """Words holding four ``bits``-bit value codes from bit 0 in their low 16 bits, of two keys ($4, $5;
+    8 inputs, the rest copies) -> four bf16 pairs (128 + code_j of the first key, 128 + code_j of the
+    second), j = 0..3 (`kernel_math.biased_code_operand`)."""
+    mask = f"0x000{(1 << bits) - 1:X}000{(1 << bits) - 1:X}"
+    return ("{ .reg .b32 t, u; prmt.b32 t, $4, $5, 0x5410; "
+            f"and.b32 u, t, {mask}; or.b32 $0, u, 0x43004300; "
+            + "".join(f"shr.b32 u, t, {j * bits}; and.b32 u, u, {mask}; or.b32 ${j}, u, 0x43004300; "
+                      for j in (1, 2, 3)) + "}")
+
+
+_V4_ASM = gl.constexpr(_value_codes_asm(4))
+_V3_ASM = gl.constexpr(_value_codes_asm(3))
+# Two keys' 48 bits of 3-bit value codes (int16 words 0, 1, 2, 2 of each, key-interleaved in $8..$15)
+# -> their four 12-bit fields of four codes, key-interleaved ($0..$7; bits above a field as they fall).
+_V3_FIELDS_ASM = gl.constexpr(
+    "{ .reg .b32 x, y; prmt.b32 $0, $8, $10, 0x5410; shr.b32 $2, $0, 12; prmt.b32 y, $10, $12, 0x5410; "
+    "shr.b32 $4, y, 8; shr.b32 $6, y, 20; prmt.b32 $1, $9, $11, 0x5410; shr.b32 $3, $1, 12; "
+    "prmt.b32 x, $11, $13, 0x5410; shr.b32 $5, x, 8; shr.b32 $7, x, 20; }")
 # One 32-bit word of four fp8 e4m3 key bytes ($2; 4 copies in $2..$5) -> two bf16 pairs (bytes 0, 1 and 2, 3).
 # e4m3 -> f16 is exact (as is f16 -> f32 -> bf16), and NaN stays NaN, as the Triton kernels' fp8 cast.
 _FP8_ASM = gl.constexpr(
@@ -246,8 +262,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                         part_m_ptr, part_l_ptr, stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch,
                         k_stride_cn, k_stride_cp, k_stride_ch, num_blocks, num_splits, num_q_heads, num_seqs,
                         num_tokens, qk_scale, max_seq_len, G: gl.constexpr, KEY_BITS: gl.constexpr,
-                        KEY_NORM_WORD: gl.constexpr, VALUE_WORD: gl.constexpr, SCALE_WORD: gl.constexpr,
-                        ZERO_WORD: gl.constexpr):
+                        KEY_NORM_WORD: gl.constexpr, VALUE_BITS: gl.constexpr, VALUE_WORD: gl.constexpr,
+                        SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
     """One (query row, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
@@ -277,7 +293,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                                             warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
     else:
         KW: gl.constexpr = gl.SliceLayout(5, PK)
-    # V words [w, h, t, e, g, i] (+ nibble j): key 8h + 2t + e, word g + 8i of the value codes.
+    # V words [w, h, t, e, g, i] (+ code j): key 8h + 2t + e, word g + 8i of the value codes (4 bits), or
+    # word 3g + min(i, 2), cut into fields i of four codes (3 bits).
     PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 4, 4], threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
     VW: gl.constexpr = gl.SliceLayout(6, PV)
@@ -337,7 +354,11 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     v_w6 = vw_w[:, None, None, None, None, None]
     v_slot6 = (8 * vw_h[None, :, None, None, None, None] + 2 * vw_t[None, None, :, None, None, None]
                + vw_e[None, None, None, :, None, None]) * stride_cp
-    v_word6 = VALUE_WORD + vw_g[None, None, None, None, :, None] + 8 * vw_i[None, None, None, None, None, :]
+    if VALUE_BITS == 3:  # words 3g .. 3g + 2 (the last read twice): codes 16g .. 16g + 15
+        v_word6 = (VALUE_WORD + 3 * vw_g[None, None, None, None, :, None]
+                   + gl.minimum(vw_i, 2)[None, None, None, None, None, :])
+    else:
+        v_word6 = VALUE_WORD + vw_g[None, None, None, None, :, None] + 8 * vw_i[None, None, None, None, None, :]
     # ---- per-key scalars [w, key] in the score layout
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
@@ -403,9 +424,16 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                              [NW, 16, 128])
             kc = gl.convert_layout(kc, A_L, assert_trivial=True)
             ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
-        vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
-        vc = gl.inline_asm_elementwise(_V_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
-                                       is_pure=True, pack=8)
+        if VALUE_BITS == 3:
+            vfields = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS, [vwords.to(gl.int32)],
+                                                dtype=gl.int32, is_pure=True, pack=8)
+            vx = gl.broadcast(gl.expand_dims(vfields, 6), vzeros)[0]
+            vc = gl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
+                                           is_pure=True, pack=8)
+        else:
+            vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
+            vc = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
+                                           is_pure=True, pack=8)
         # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
         vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
         vc = gl.convert_layout(vc, A_L, assert_trivial=True)
@@ -449,7 +477,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     o = o + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, OL)), 0)
     on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
     orow = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
-    omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
+    if VALUE_BITS == 3:  # row 32i + 8j + g holds code j of field i of lane g's codes 16g .. 16g + 15
+        omem = 16 * (on % 8) + 4 * (on // 32) + (on // 8) % 4
+    else:  # ... nibble j of value word g + 8i
+        omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
     part = (tok.to(gl.int64) * num_q_heads + kv_head * G + orow) * num_splits + split
     gl.store(part_acc_ptr + part[None, :] * 128 + omem[:, None], o,
              mask=(orow < G)[None, :] & (omem >= 0)[:, None])
@@ -471,15 +502,17 @@ def _slot_format(preset: str) -> tuple:
     return _format_key(config.format_constexprs(tq_spec.layout(preset, HEAD_DIM)))
 
 
-# The slot formats the kernel reads (any preset with the same fields would do), and its constexprs for
-# each: 3- or 4-bit norm-corrected mse keys or fp8 keys, 4-bit uniform values, fields as int16 word offsets.
+# The presets whose slots the kernel reads (any preset with the same fields would do).
+PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
+# Their slot formats and the kernel's constexprs for each: 3- or 4-bit norm-corrected mse keys or fp8 keys,
+# 3- or 4-bit uniform values, fields as int16 word offsets.
 _FORMATS = {}
-for _preset in ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4"):
+for _preset in PRESETS:
     _fmt = dict(_slot_format(_preset))
     _FORMATS[_slot_format(_preset)] = dict(
         KEY_BITS=8 if _fmt["KEY_FORMAT"] == config.KEY_FP8 else _fmt["KEY_BITS"],
-        KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2, VALUE_WORD=_fmt["VALUE_OFF"] // 2,
-        SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
+        KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2, VALUE_BITS=_fmt["VALUE_BITS"],
+        VALUE_WORD=_fmt["VALUE_OFF"] // 2, SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
         ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2)
 # Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
 ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
@@ -499,7 +532,7 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
     if torch.cuda.get_device_capability(device)[0] != 9:
         return "built and measured for sm_90 (H100/H200) only"
     if _format_key(fmt) not in _FORMATS:
-        return f"reads the turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_k8v4 slots at D={HEAD_DIM} only"
+        return f"reads the {', '.join(PRESETS)} slots at D={HEAD_DIM} only"
     if page != PAGE_SIZE or n < 1:
         return f"needs {PAGE_SIZE}-slot pages and at least one block"
     if num_q_heads % hkv or num_q_heads // hkv > MAX_GROUP:

@@ -114,7 +114,7 @@ def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: tor
                 interpret: bool) -> Optional[tuple]:
     """`gluon_decode.decode_spec` where the Gluon decode may run this call's static shapes, else None.
 
-    The decode path's fast kernel for 4bit_nc and k8v4 caches on sm_90 (`gluon_decode`): same
+    The decode path's fast kernel for the TurboQuant caches on sm_90 (`gluon_decode.PRESETS`): same
     function, same partials and merge; a call with a sliding window or a soft cap (or, for fp8 keys,
     a cache not 4-byte aligned) still takes the Triton kernels.
     """
