@@ -258,12 +258,91 @@ def _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW: gl.constexpr):
 
 
 @gluon.jit
+def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale, qk_scale,
+                 NW: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, PK: gl.constexpr,
+                 A_L: gl.constexpr, B_L: gl.constexpr):
+    """One page per warp (`_load_page`'s ``words``) into the running state ``acc`` (O^T ``[w, 128, 8]``),
+    ``m_i``, ``l_i``, ``z_i`` (``[w, 8]``); returns the new state. ``entry``: this lane's codebook
+    entry (`_LANE_ENTRY`; for fp8 keys any int32 tensor of its shape)."""
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
+    kwords, vwords, knorm, vscale, vzero, ok = words
+    if KEY_FP8:
+        kx = gl.broadcast(gl.expand_dims(kwords, 5), entry)[0]
+        kc = gl.inline_asm_elementwise(_FP8_ASM, "=r,=r,r,r,r,r", [kx], dtype=gl.bfloat16, is_pure=True,
+                                       pack=4)
+        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                        [NW, 16, 128])
+        kc = gl.convert_layout(kc, A_L, assert_trivial=True)
+    else:
+        if KEY_BITS == 3:
+            fields = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS,
+                                               [kwords.to(gl.int32)], dtype=gl.int32, is_pure=True, pack=8)
+            fields = gl.convert_layout(gl.reshape(fields, [NW, 2, 8, 4, 8]), gl.SliceLayout(5, PK),
+                                       assert_trivial=True)
+            kx = gl.broadcast(gl.expand_dims(fields, 5), entry)[0]
+            kc, ksq = gl.inline_asm_elementwise(_K3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
+                                                dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
+        else:
+            kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
+            kc, ksq = gl.inline_asm_elementwise(_K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
+                                                dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
+        # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
+        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                        [NW, 16, 128])
+        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                         [NW, 16, 128])
+        kc = gl.convert_layout(kc, A_L, assert_trivial=True)
+        ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
+    if VALUE_BITS == 3:
+        vfields = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS, [vwords.to(gl.int32)],
+                                            dtype=gl.int32, is_pure=True, pack=8)
+        vx = gl.broadcast(gl.expand_dims(vfields, 6), vzeros)[0]
+        vc = gl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
+                                       is_pure=True, pack=8)
+    else:
+        vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
+        vc = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
+                                       is_pure=True, pack=8)
+    # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
+    vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
+    vc = gl.convert_layout(vc, A_L, assert_trivial=True)
+    vscale = gl.where(ok, vscale.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
+    vzero = gl.where(ok, vzero.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
+
+    # S^T [w, 16 keys, 8 rows] = K @ Q^T; mse keys: times norm / ||c|| (||c||^2: a ones dot of the squares)
+    s = mma_v2(kc, q, zero_s)
+    if KEY_FP8:
+        s = gl.where(gl.expand_dims(ok, 2), s * qk_scale, float("-inf"))
+    else:
+        knorm = knorm.to(gl.float16, bitcast=True).to(gl.float32)
+        nsq = mma_v2(ksq, ones, zero_s)
+        factor = gl.expand_dims(knorm * (square_scale * qk_scale), 2) * gl.rsqrt(nsq)
+        s = gl.where(gl.expand_dims(ok, 2), s * factor, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    ps = (p * gl.expand_dims(vscale, 2)).to(gl.bfloat16)
+    psr = ps.to(gl.float32)
+    z_i = z_i * alpha + gl.sum(p * gl.expand_dims(vzero, 2) - 128.0 * psr, axis=1)
+    # P^T as a B operand: each 8 x 8 fragment of S^T's registers transposed across the warp
+    # (`_TRANSPOSE_8X8`), then the same registers read as [keys, rows] with keys 2t + e: for the
+    # compiler the asm is elementwise, so the indices are relabelled to what the registers hold.
+    pt = gl.inline_asm_elementwise(_TRANSPOSE_8X8, "=r,r", [ps], dtype=gl.bfloat16, is_pure=True, pack=2)
+    pt = gl.reshape(gl.permute(gl.reshape(pt, [NW, 2, 8, 8]), [0, 1, 3, 2]), [NW, 16, 8])
+    pt = gl.convert_layout(pt, B_L, assert_trivial=True)
+    acc = mma_v2(vc, pt, acc * gl.expand_dims(alpha, 1))
+    return acc, m_new, l_i, z_i
+
+
+@gluon.jit
 def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr,
                         part_m_ptr, part_l_ptr, stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch,
                         k_stride_cn, k_stride_cp, k_stride_ch, num_blocks, num_splits, num_q_heads, num_seqs,
                         num_tokens, qk_scale, max_seq_len, G: gl.constexpr, KEY_BITS: gl.constexpr,
                         KEY_NORM_WORD: gl.constexpr, VALUE_BITS: gl.constexpr, VALUE_WORD: gl.constexpr,
-                        SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
+                        SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr):
     """One (query row, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
@@ -271,8 +350,9 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     int16 words; ``kcache_ptr`` and ``k_stride_*``: the cache as key words (int16 words of 3- or
     4-bit codes, ``KEY_BITS`` 3 or 4; int32 words of four fp8 keys, ``KEY_BITS`` 8); ``cb_ptr``: the
     ``2**KEY_BITS``-entry fp32 key codebook (not read for fp8 keys); ``*_WORD``: the slot's int16
-    word offsets of its fields. A row's sequence is `_token_owner`'s; each row is its own pass over
-    its keys (one per sequence in a decode step; q_len > 1 is correct, not fast).
+    word offsets of its fields; ``UNROLL``: pages per warp per loop trip (1 or 2). A row's sequence is
+    `_token_owner`'s; each row is its own pass over its keys (one per sequence in a decode step;
+    q_len > 1 is correct, not fast).
     """
     tok = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -309,7 +389,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     # no sequence owns (padding) sees none, and its partials are never merged.
     kv_end = gl.where(owned, seq_len - q_len + 1 + (tok - q_start), 0)
     n_pages = (gl.maximum(kv_end, 0) + 15) // 16
-    chunk = (((n_pages + num_splits - 1) // num_splits + NW - 1) // NW) * NW
+    STEP: gl.constexpr = NW * UNROLL  # pages per loop trip
+    chunk = (((n_pages + num_splits - 1) // num_splits + STEP - 1) // STEP) * STEP
     page_lo = split * chunk
     page_hi = gl.minimum(n_pages, page_lo + chunk)
     n_iter = (gl.maximum(page_hi - page_lo, 0) + NW - 1) // NW
@@ -364,7 +445,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
 
     if KEY_FP8:
-        kzeros = gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK)
+        entry = gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK)  # (the fp8 words' broadcast shape)
+        square_scale = 1.0  # (not read)
     else:
         # This lane's codebook entry with its fp16 square (`kernel_math._lane_entry`), the squares scaled by
         # the power of two of `kv_tiles.key_square_scale` (``r * max|c|`` in [1, 2)).
@@ -391,80 +473,24 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo,
                      kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5,
                      v_slot6, v_word6, sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
-    for it in range(n_iter):
-        kwords, vwords, knorm, vscale, vzero, ok = cur
-        cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks, stride_cn,
-                         stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w,
+    # With UNROLL 2, two pages per trip, so that the words loaded ahead never move between registers at
+    # the back edge; an odd count runs one page past ``page_hi``: no live keys, no change to the state.
+    for it in range(0, n_iter, UNROLL):
+        if UNROLL == 2:
+            words = cur
+            cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks,
+                             stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6,
+                             sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
+            blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w5, v_w6, sk_w)
+            acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
+                                              square_scale, qk_scale, NW, KEY_BITS, VALUE_BITS, PK, A_L, B_L)
+        words = cur
+        cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
+                         stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w,
                          sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
-        blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w5, v_w6, sk_w)
-        if KEY_FP8:
-            kx = gl.broadcast(gl.expand_dims(kwords, 5), kzeros)[0]
-            kc = gl.inline_asm_elementwise(_FP8_ASM, "=r,=r,r,r,r,r", [kx], dtype=gl.bfloat16, is_pure=True,
-                                           pack=4)
-            kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
-                            [NW, 16, 128])
-            kc = gl.convert_layout(kc, A_L, assert_trivial=True)
-        else:
-            if KEY_BITS == 3:
-                fields = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS,
-                                                   [kwords.to(gl.int32)], dtype=gl.int32, is_pure=True, pack=8)
-                fields = gl.convert_layout(gl.reshape(fields, [NW, 2, 8, 4, 8]), gl.SliceLayout(5, PK),
-                                           assert_trivial=True)
-                kx = gl.broadcast(gl.expand_dims(fields, 5), entry)[0]
-                kc, ksq = gl.inline_asm_elementwise(_K3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
-                                                    dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
-            else:
-                kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
-                kc, ksq = gl.inline_asm_elementwise(_K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
-                                                    dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
-            # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
-            kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
-                            [NW, 16, 128])
-            ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
-                             [NW, 16, 128])
-            kc = gl.convert_layout(kc, A_L, assert_trivial=True)
-            ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
-        if VALUE_BITS == 3:
-            vfields = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS, [vwords.to(gl.int32)],
-                                                dtype=gl.int32, is_pure=True, pack=8)
-            vx = gl.broadcast(gl.expand_dims(vfields, 6), vzeros)[0]
-            vc = gl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
-                                           is_pure=True, pack=8)
-        else:
-            vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
-            vc = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
-                                           is_pure=True, pack=8)
-        # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
-        vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
-        vc = gl.convert_layout(vc, A_L, assert_trivial=True)
-        vscale = gl.where(ok, vscale.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
-        vzero = gl.where(ok, vzero.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
-
-        # S^T [w, 16 keys, 8 rows] = K @ Q^T; mse keys: times norm / ||c|| (||c||^2: a ones dot of the squares)
-        s = mma_v2(kc, q, zero_s)
-        if KEY_FP8:
-            s = gl.where(gl.expand_dims(ok, 2), s * qk_scale, float("-inf"))
-        else:
-            knorm = knorm.to(gl.float16, bitcast=True).to(gl.float32)
-            nsq = mma_v2(ksq, ones, zero_s)
-            factor = gl.expand_dims(knorm * (square_scale * qk_scale), 2) * gl.rsqrt(nsq)
-            s = gl.where(gl.expand_dims(ok, 2), s * factor, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        ps = (p * gl.expand_dims(vscale, 2)).to(gl.bfloat16)
-        psr = ps.to(gl.float32)
-        z_i = z_i * alpha + gl.sum(p * gl.expand_dims(vzero, 2) - 128.0 * psr, axis=1)
-        # P^T as a B operand: each 8 x 8 fragment of S^T's registers transposed across the warp
-        # (`_TRANSPOSE_8X8`), then the same registers read as [keys, rows] with keys 2t + e: for the
-        # compiler the asm is elementwise, so the indices are relabelled to what the registers hold.
-        pt = gl.inline_asm_elementwise(_TRANSPOSE_8X8, "=r,r", [ps], dtype=gl.bfloat16, is_pure=True, pack=2)
-        pt = gl.reshape(gl.permute(gl.reshape(pt, [NW, 2, 8, 8]), [0, 1, 3, 2]), [NW, 16, 8])
-        pt = gl.convert_layout(pt, B_L, assert_trivial=True)
-        acc = mma_v2(vc, pt, acc * gl.expand_dims(alpha, 1))
-        m_i = m_new
+        blocks = _page_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w5, v_w6, sk_w)
+        acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
+                                          qk_scale, NW, KEY_BITS, VALUE_BITS, PK, A_L, B_L)
 
     # ---- merge the warps
     m_all = gl.max(m_i, axis=0)
@@ -504,6 +530,10 @@ def _slot_format(preset: str) -> tuple:
 
 # The presets whose slots the kernel reads (any preset with the same fields would do).
 PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
+# Pages per loop trip (per warp). H200, CUDA-graph replays, a b a b, one trip of 1 -> 2 pages (us): 4bit_nc
+# B=32 x 8k 184 -> 178, B=8 x 32k 182 -> 179, B=128 x 8k 702 -> 690; k3v4_nc 180 -> 175, 178 -> 176,
+# 675 -> 668; 3bit_nc 180 -> 178, 178 -> 179, 657 -> 669; k8v4 158 -> 163, 159 -> 159, 629 -> 645.
+_UNROLL = {"turboquant_4bit_nc": 2, "turboquant_k3v4_nc": 2, "turboquant_3bit_nc": 1, "turboquant_k8v4": 1}
 # Their slot formats and the kernel's constexprs for each: 3- or 4-bit norm-corrected mse keys or fp8 keys,
 # 3- or 4-bit uniform values, fields as int16 word offsets.
 _FORMATS = {}
@@ -513,7 +543,7 @@ for _preset in PRESETS:
         KEY_BITS=8 if _fmt["KEY_FORMAT"] == config.KEY_FP8 else _fmt["KEY_BITS"],
         KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2, VALUE_BITS=_fmt["VALUE_BITS"],
         VALUE_WORD=_fmt["VALUE_OFF"] // 2, SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
-        ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2)
+        ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2, UNROLL=_UNROLL[_preset])
 # Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
 ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
 
