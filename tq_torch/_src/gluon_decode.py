@@ -125,6 +125,9 @@ _FP8_ASM = gl.constexpr(
     "cvt.rn.f16x2.e4m3x2 h0, lo; cvt.rn.f16x2.e4m3x2 h1, hi; mov.b32 {a0, a1}, h0; mov.b32 {a2, a3}, h1; "
     "cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; cvt.f32.f16 f2, a2; cvt.f32.f16 f3, a3; "
     "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }")
+# One int16 word loaded into a 32-bit register, zero-extended. (A `gl.load` of int16 widened in the kernel
+# costs a PRMT (sign) or LOP3 (zero) per word after the load: 32 per page in the 4-bit loop.)
+_LOAD_U16 = gl.constexpr("ld.global.u16 $0, [$1];")
 # One 8 x 8 bf16 fragment transposed across the warp (a pair of elements per thread).
 _TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 
@@ -160,6 +163,12 @@ def _page_blocks(bt_row, page0, page_hi, k_w5, v_w6, sk_w):
 
 
 @gluon.jit
+def _load_code_words(ptrs):
+    """int16 code words at ``ptrs``, zero-extended to int32 by the load itself (`_LOAD_U16`)."""
+    return gl.inline_asm_elementwise(_LOAD_U16, "=r,l", [ptrs], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
                k_stride_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n, KEY_FP8: gl.constexpr,
                KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
@@ -170,9 +179,12 @@ def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride
     key < ``seq_len``)."""
     kblk, vblk, sblk = blocks
     kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
-    kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
+    if KEY_FP8:
+        kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
+    else:
+        kwords = _load_code_words(kcache_ptr + (kbase + k_slot5 + k_word5))
     vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
-    vwords = gl.load(cache_ptr + (vbase + v_slot6 + v_word6))
+    vwords = _load_code_words(cache_ptr + (vbase + v_slot6 + v_word6))
     sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
     ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
     sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
@@ -276,14 +288,14 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
     else:
         if KEY_BITS == 3:
             fields = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS,
-                                               [kwords.to(gl.int32)], dtype=gl.int32, is_pure=True, pack=8)
+                                               [kwords], dtype=gl.int32, is_pure=True, pack=8)
             fields = gl.convert_layout(gl.reshape(fields, [NW, 2, 8, 4, 8]), gl.SliceLayout(5, PK),
                                        assert_trivial=True)
             kx = gl.broadcast(gl.expand_dims(fields, 5), entry)[0]
             kc, ksq = gl.inline_asm_elementwise(_K3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
                                                 dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
         else:
-            kx = gl.broadcast(gl.expand_dims(kwords.to(gl.int32), 5), entry)[0]
+            kx = gl.broadcast(gl.expand_dims(kwords, 5), entry)[0]
             kc, ksq = gl.inline_asm_elementwise(_K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
                                                 dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
         # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
@@ -294,13 +306,13 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
         kc = gl.convert_layout(kc, A_L, assert_trivial=True)
         ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
     if VALUE_BITS == 3:
-        vfields = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS, [vwords.to(gl.int32)],
+        vfields = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS, [vwords],
                                             dtype=gl.int32, is_pure=True, pack=8)
         vx = gl.broadcast(gl.expand_dims(vfields, 6), vzeros)[0]
         vc = gl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
                                        is_pure=True, pack=8)
     else:
-        vx = gl.broadcast(gl.expand_dims(vwords.to(gl.int32), 6), vzeros)[0]
+        vx = gl.broadcast(gl.expand_dims(vwords, 6), vzeros)[0]
         vc = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
                                        is_pure=True, pack=8)
     # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
