@@ -2,10 +2,11 @@
 
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
 (4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys), ``turboquant_3bit_nc`` (3-bit keys and
-values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90 device, at
-most one query row per sequence on average (``T <= B``: decode steps; each row is its own program,
-so a sequence with more rows is correct, one pass over its keys per row), sinks; no sliding window
-or soft cap (those calls keep the Triton kernels). Same function, partials and merge as `decode`;
+values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA group of at most
+8, a bfloat16 query and output, an sm_90 device, at most one query row per sequence on average
+(``T <= B``: decode steps; each row is its own program, so a sequence with more rows is correct,
+one pass over its keys per row), sinks; no sliding window or soft cap (those calls keep the Triton
+kernels). Same function, partials and merge as `decode`;
 the same metadata guards (`_token_owner`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
@@ -89,7 +90,7 @@ def _key_lookup_asm(bits: int) -> str:
 
 _K4_ASM = gl.constexpr(_key_lookup_asm(4))
 _K3_ASM = gl.constexpr(_key_lookup_asm(3))
-# A lane's 96 bits of 3-bit key codes, int16 words 0..3 and 2..5 (sign-extended, $8..$15) -> the eight
+# A lane's 96 bits of 3-bit key codes, int16 words 0..3 and 2..5 (zero-extended, $8..$15) -> the eight
 # 12-bit fields of four codes each ($0..$7, bits above a field left as they fall): fields 4i..4i+3 are
 # the 48 bits of words 3i..3i+2, at bits 0, 12, 24 and 36.
 _K3_FIELDS_ASM = gl.constexpr(
@@ -173,10 +174,10 @@ def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride
                k_stride_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n, KEY_FP8: gl.constexpr,
                KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
     """Raw words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: key words
-    (``k_slot5 + k_word5``'s shape: int16 code words, or int32 words of four fp8 keys, from ``kcache_ptr``), V
-    code words ``[w, h, t, e, g, i]``, and per key ``[w, 16]`` the norm (mse keys; the scale bits
-    stand in for fp8 keys, never read), scale and zero bits and the key's validity (live page and
-    key < ``seq_len``)."""
+    (``k_slot5 + k_word5``'s shape: int16 code words zero-extended to int32, or int32 words of four fp8
+    keys, from ``kcache_ptr``), V code words ``[w, h, t, e, g, i]`` (zero-extended), and per key
+    ``[w, 16]`` the norm (mse keys; the scale bits stand in for fp8 keys, never read), scale and zero
+    bits and the key's validity (live page and key < ``seq_len``)."""
     kblk, vblk, sblk = blocks
     kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
     if KEY_FP8:
