@@ -71,8 +71,11 @@ def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots):
     # (Its layout conversions are all register no-ops: `assert_trivial` fails the compile otherwise.)
     for op in ("ttg.local_alloc", "ttg.local_load", "ttg.local_store", "gpu.barrier"):
         assert op not in loops[0], f"{op} in the key loop"
-    # Q K^T, V^T P^T, and for mse keys the squares' ones row.
-    assert loops[0].count("tt.dot") == dots
+    # Q K^T, V^T P^T, and for mse keys the squares' ones row, for each page of a loop trip.
+    from tq_torch._src import gluon_decode
+
+    pages = gluon_decode._FORMATS[gluon_decode._slot_format(preset)]["UNROLL"]
+    assert loops[0].count("tt.dot") == dots * pages
 
 
 def _decode_case(name, seq_lens, hq, hkv, q_lens=None, sinks=False):
