@@ -53,8 +53,8 @@ print(kernel.asm["ttgir"])
 """
 
 
-@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3), ("turboquant_3bit_nc", 3),
-                                          ("turboquant_k8v4", 2)])
+@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3),
+                                          ("turboquant_3bit_nc", 3), ("turboquant_k8v4", 2)])
 def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

@@ -88,15 +88,23 @@ def _key_lookup_asm(bits: int) -> str:
             "prmt.b32 $2, e0, e1, 0x7632; prmt.b32 $3, e2, e3, 0x7632; }")
 
 
+def _fields_of_48_bits(words: tuple, fields: tuple) -> str:
+    """PTX cutting the 48 bits of three zero-extended int16 words (operands ``words``) of 3-bit codes
+    into four 12-bit fields of four codes (operands ``fields``; at bits 0, 12, 24 and 36, the bits
+    above a field left as they fall). Uses the scratch register ``y``."""
+    a, b, c = words
+    f0, f1, f2, f3 = fields
+    return (f"prmt.b32 {f0}, {a}, {b}, 0x5410; shr.b32 {f1}, {f0}, 12; prmt.b32 y, {b}, {c}, 0x5410; "
+            f"shr.b32 {f2}, y, 8; shr.b32 {f3}, y, 20; ")
+
+
 _K4_ASM = gl.constexpr(_key_lookup_asm(4))
 _K3_ASM = gl.constexpr(_key_lookup_asm(3))
-# A lane's 96 bits of 3-bit key codes, int16 words 0..3 and 2..5 (zero-extended, $8..$15) -> the eight
-# 12-bit fields of four codes each ($0..$7, bits above a field left as they fall): fields 4i..4i+3 are
-# the 48 bits of words 3i..3i+2, at bits 0, 12, 24 and 36.
+# A lane's 96 bits of 3-bit key codes, int16 words 0..3 and 2..5 ($8..$15) -> its eight fields ($0..$7):
+# fields 4i..4i+3 are the 48 bits of words 3i..3i+2.
 _K3_FIELDS_ASM = gl.constexpr(
-    "{ .reg .b32 y; prmt.b32 $0, $8, $9, 0x5410; shr.b32 $1, $0, 12; prmt.b32 y, $9, $10, 0x5410; "
-    "shr.b32 $2, y, 8; shr.b32 $3, y, 20; prmt.b32 $4, $11, $14, 0x5410; shr.b32 $5, $4, 12; "
-    "prmt.b32 y, $14, $15, 0x5410; shr.b32 $6, y, 8; shr.b32 $7, y, 20; }")
+    "{ .reg .b32 y; " + _fields_of_48_bits(("$8", "$9", "$10"), ("$0", "$1", "$2", "$3"))
+    + _fields_of_48_bits(("$11", "$14", "$15"), ("$4", "$5", "$6", "$7")) + "}")
 _K3_FIELDS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
 
 
@@ -114,11 +122,10 @@ def _value_codes_asm(bits: int) -> str:
 _V4_ASM = gl.constexpr(_value_codes_asm(4))
 _V3_ASM = gl.constexpr(_value_codes_asm(3))
 # Two keys' 48 bits of 3-bit value codes (int16 words 0, 1, 2, 2 of each, key-interleaved in $8..$15)
-# -> their four 12-bit fields of four codes, key-interleaved ($0..$7; bits above a field as they fall).
+# -> their four fields each, key-interleaved ($0..$7).
 _V3_FIELDS_ASM = gl.constexpr(
-    "{ .reg .b32 x, y; prmt.b32 $0, $8, $10, 0x5410; shr.b32 $2, $0, 12; prmt.b32 y, $10, $12, 0x5410; "
-    "shr.b32 $4, y, 8; shr.b32 $6, y, 20; prmt.b32 $1, $9, $11, 0x5410; shr.b32 $3, $1, 12; "
-    "prmt.b32 x, $11, $13, 0x5410; shr.b32 $5, x, 8; shr.b32 $7, x, 20; }")
+    "{ .reg .b32 y; " + _fields_of_48_bits(("$8", "$10", "$12"), ("$0", "$2", "$4", "$6"))
+    + _fields_of_48_bits(("$9", "$11", "$13"), ("$1", "$3", "$5", "$7")) + "}")
 # One 32-bit word of four fp8 e4m3 key bytes ($2; 4 copies in $2..$5) -> two bf16 pairs (bytes 0, 1 and 2, 3).
 # e4m3 -> f16 is exact (as is f16 -> f32 -> bf16), and NaN stays NaN, as the Triton kernels' fp8 cast.
 _FP8_ASM = gl.constexpr(
@@ -212,18 +219,22 @@ def _key_words(KW: gl.constexpr, NW: gl.constexpr, k_cp):
 
 
 @gluon.jit
+def _grid6(L: gl.constexpr, N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr, N3: gl.constexpr,
+           N4: gl.constexpr, N5: gl.constexpr):
+    """The six index tensors of an ``[N0, .., N5]`` grid in layout ``L``, each of rank 6 (size 1 off its axis)."""
+    return (gl.arange(0, N0, layout=_axis(L, 0, 6))[:, None, None, None, None, None],
+            gl.arange(0, N1, layout=_axis(L, 1, 6))[None, :, None, None, None, None],
+            gl.arange(0, N2, layout=_axis(L, 2, 6))[None, None, :, None, None, None],
+            gl.arange(0, N3, layout=_axis(L, 3, 6))[None, None, None, :, None, None],
+            gl.arange(0, N4, layout=_axis(L, 4, 6))[None, None, None, None, :, None],
+            gl.arange(0, N5, layout=_axis(L, 5, 6))[None, None, None, None, None, :])
+
+
+@gluon.jit
 def _key_words_3bit(KW: gl.constexpr, NW: gl.constexpr, k_cp):
     """`_key_words` for 3-bit codes, ``[w, h, g, t, half, c]``: word ``6t + 2 half + c`` of key ``8h + g``."""
-    kw_w = gl.arange(0, NW, layout=_axis(KW, 0, 6))
-    kw_h = gl.arange(0, 2, layout=_axis(KW, 1, 6))
-    kw_g = gl.arange(0, 8, layout=_axis(KW, 2, 6))
-    kw_t = gl.arange(0, 4, layout=_axis(KW, 3, 6))
-    kw_half = gl.arange(0, 2, layout=_axis(KW, 4, 6))
-    kw_c = gl.arange(0, 4, layout=_axis(KW, 5, 6))
-    return (kw_w[:, None, None, None, None, None],
-            (8 * kw_h[None, :, None, None, None, None] + kw_g[None, None, :, None, None, None]) * k_cp,
-            6 * kw_t[None, None, None, :, None, None] + 2 * kw_half[None, None, None, None, :, None]
-            + kw_c[None, None, None, None, None, :])
+    w, h, g, t, half, c = _grid6(KW, NW, 2, 8, 4, 2, 4)
+    return w, (8 * h + g) * k_cp, 6 * t + 2 * half + c
 
 
 @gluon.jit
@@ -439,20 +450,12 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     else:
         k_w5, k_slot5, k_word5 = _key_words(KW, NW, k_cp)
     # ---- V words
-    vw_w = gl.arange(0, NW, layout=_axis(VW, 0, 6))
-    vw_h = gl.arange(0, 2, layout=_axis(VW, 1, 6))
-    vw_t = gl.arange(0, 4, layout=_axis(VW, 2, 6))
-    vw_e = gl.arange(0, 2, layout=_axis(VW, 3, 6))
-    vw_g = gl.arange(0, 8, layout=_axis(VW, 4, 6))
-    vw_i = gl.arange(0, 4, layout=_axis(VW, 5, 6))
-    v_w6 = vw_w[:, None, None, None, None, None]
-    v_slot6 = (8 * vw_h[None, :, None, None, None, None] + 2 * vw_t[None, None, :, None, None, None]
-               + vw_e[None, None, None, :, None, None]) * stride_cp
+    v_w6, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, 4)
+    v_slot6 = (8 * vw_h + 2 * vw_t + vw_e) * stride_cp
     if VALUE_BITS == 3:  # words 3g .. 3g + 2 (the last read twice): codes 16g .. 16g + 15
-        v_word6 = (VALUE_WORD + 3 * vw_g[None, None, None, None, :, None]
-                   + gl.minimum(vw_i, 2)[None, None, None, None, None, :])
+        v_word6 = VALUE_WORD + 3 * vw_g + gl.minimum(vw_i, 2)
     else:
-        v_word6 = VALUE_WORD + vw_g[None, None, None, None, :, None] + 8 * vw_i[None, None, None, None, None, :]
+        v_word6 = VALUE_WORD + vw_g + 8 * vw_i
     # ---- per-key scalars [w, key] in the score layout
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
