@@ -6,8 +6,8 @@ values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA
 8, a bfloat16 query and output, an sm_90 device, at most one query row per sequence on average
 (``T <= B``: decode steps; each row is its own program, so a sequence with more rows is correct,
 one pass over its keys per row), sinks; no sliding window or soft cap (those calls keep the Triton
-kernels). Same function, partials and merge as `decode`;
-the same metadata guards (`_token_owner`, `_page_base`, clamped lengths).
+kernels). Same function, partials and merge as `decode`; the same metadata guards (`_token_owner`,
+`_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
 L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
@@ -105,7 +105,8 @@ _K3_ASM = gl.constexpr(_key_lookup_asm(3))
 _K3_FIELDS_ASM = gl.constexpr(
     "{ .reg .b32 y; " + _fields_of_48_bits(("$8", "$9", "$10"), ("$0", "$1", "$2", "$3"))
     + _fields_of_48_bits(("$11", "$14", "$15"), ("$4", "$5", "$6", "$7")) + "}")
-_K3_FIELDS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
+# Operands of the two field cutters: eight fields out, eight words in.
+_FIELDS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
 
 
 def _value_codes_asm(bits: int) -> str:
@@ -298,18 +299,14 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
                         [NW, 16, 128])
         kc = gl.convert_layout(kc, A_L, assert_trivial=True)
     else:
-        if KEY_BITS == 3:
-            fields = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS,
-                                               [kwords], dtype=gl.int32, is_pure=True, pack=8)
-            fields = gl.convert_layout(gl.reshape(fields, [NW, 2, 8, 4, 8]), gl.SliceLayout(5, PK),
+        if KEY_BITS == 3:  # the fields of four codes stand where 4-bit code words do
+            kwords = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _FIELDS_CONSTRAINTS, [kwords], dtype=gl.int32,
+                                               is_pure=True, pack=8)
+            kwords = gl.convert_layout(gl.reshape(kwords, [NW, 2, 8, 4, 8]), gl.SliceLayout(5, PK),
                                        assert_trivial=True)
-            kx = gl.broadcast(gl.expand_dims(fields, 5), entry)[0]
-            kc, ksq = gl.inline_asm_elementwise(_K3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
-                                                dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
-        else:
-            kx = gl.broadcast(gl.expand_dims(kwords, 5), entry)[0]
-            kc, ksq = gl.inline_asm_elementwise(_K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [kx, entry],
-                                                dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
+        kx = gl.broadcast(gl.expand_dims(kwords, 5), entry)[0]
+        kc, ksq = gl.inline_asm_elementwise(_K3_ASM if KEY_BITS == 3 else _K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+                                            [kx, entry], dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
         # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
         kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
                         [NW, 16, 128])
@@ -317,16 +314,12 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
                          [NW, 16, 128])
         kc = gl.convert_layout(kc, A_L, assert_trivial=True)
         ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
-    if VALUE_BITS == 3:
-        vfields = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _K3_FIELDS_CONSTRAINTS, [vwords],
-                                            dtype=gl.int32, is_pure=True, pack=8)
-        vx = gl.broadcast(gl.expand_dims(vfields, 6), vzeros)[0]
-        vc = gl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
-                                       is_pure=True, pack=8)
-    else:
-        vx = gl.broadcast(gl.expand_dims(vwords, 6), vzeros)[0]
-        vc = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx], dtype=gl.bfloat16,
-                                       is_pure=True, pack=8)
+    if VALUE_BITS == 3:  # likewise for values
+        vwords = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _FIELDS_CONSTRAINTS, [vwords], dtype=gl.int32,
+                                           is_pure=True, pack=8)
+    vx = gl.broadcast(gl.expand_dims(vwords, 6), vzeros)[0]
+    vc = gl.inline_asm_elementwise(_V3_ASM if VALUE_BITS == 3 else _V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx],
+                                   dtype=gl.bfloat16, is_pure=True, pack=8)
     # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
     vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
     vc = gl.convert_layout(vc, A_L, assert_trivial=True)
