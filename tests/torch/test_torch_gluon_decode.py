@@ -4,8 +4,9 @@ caches on sm_90.
 CPU: it compiles for sm_90a, and its key loop keeps every tile in registers (no shared memory,
 no barrier). GPU (``-m gpu``): the default path takes it; its output matches the float64 reference
 through the parity tolerance on garbage-laden caches (shuffled pages, bad block ids past each
-sequence), and the attention rules hold as on the Triton kernels: padding rows, q_len 0 and 2,
-NaN queries and sinks, bad block ids, seq_lens and query_start_loc, CUDA-graph replay.
+sequence; several query tokens per sequence in causal tiles), and the attention rules hold as on the
+Triton kernels, one token per sequence or several: padding rows, q_len 0 and 2, NaN queries and sinks,
+bad block ids, seq_lens and query_start_loc, CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -40,27 +41,32 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from tq_torch._src import gluon_decode
 
 slot = gluon_decode._FORMATS[gluon_decode._slot_format(sys.argv[1])]
+block_q, nr = gluon_decode.tile_shape(num_tokens=int(sys.argv[2]), num_seqs=1, group=4)
+maxnreg = gluon_decode.MAXNREG if block_q == 1 else gluon_decode.MULTI_MAXNREG
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
         "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
 sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_BITS"] == 8 else "*i16", cb_ptr="*fp32",
            bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", part_acc_ptr="*fp32", part_m_ptr="*fp32",
            part_l_ptr="*fp32", **{n: "i32" for n in ints}, qk_scale="fp32", max_seq_len="i32",
-           **{k: "constexpr" for k in ("G", *slot)})
-src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=dict(G=4, **slot), attrs={})
+           **{k: "constexpr" for k in ("G", *slot, "BLOCK_Q", "NR")})
+src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=dict(G=4, **slot, BLOCK_Q=block_q, NR=nr),
+                     attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=4, maxnreg=gluon_decode.MAXNREG))
+                        options=dict(num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg))))
 print(kernel.asm["ttgir"])
 """
 
 
 @pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3),
                                           ("turboquant_3bit_nc", 3), ("turboquant_k8v4", 2)])
-def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots):
+@pytest.mark.parametrize("q_len", (1, 4), ids=("decode_step", "multi_token"))
+def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots, q_len):
+    """A decode step (one query token per program, 8 columns) and several query tokens per sequence (16)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, preset], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, preset, str(q_len)], env=env, capture_output=True,
+                          text=True, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -90,9 +96,19 @@ GPU_CASES = (
     _decode_case("gqa24_8", (900,), 24, 8),  # G = 3: padded rows in the 8-column tile
     # T <= B with a q_len 2 row and a q_len 0, seq_len 0 request: each token is its own pass.
     _decode_case("q_len_2_and_0", (50, 0, 3000, 17), 32, 8, q_lens=(2, 0, 1, 1)),
+    # T > B: tiles of 16 // G tokens x G heads, causal per column (`gluon_decode.tile_shape`). A sequence as
+    # long as its query (its first token sees one key), q_len 1 among longer ones, sequences of several
+    # tiles, a last tile part-filled, G = 3 (15 of 16 columns), 1 (16 tokens per tile) and 8.
+    _decode_case("spec_q4_gqa32_8", (40, 17, 3000, 4), 32, 8, q_lens=(4, 4, 4, 4)),
+    _decode_case("spec_gqa24_8", (900, 33, 5), 24, 8, q_lens=(7, 1, 5)),
+    _decode_case("spec_gqa8_8", (70, 2000), 8, 8, q_lens=(20, 3)),
+    _decode_case("spec_gqa8_1", (300, 4096), 8, 1, q_lens=(2, 2)),
 )
-# One sequence of each: NaN, metadata and padding cases.
+# One sequence of each: NaN, metadata and padding cases; with one query token per sequence (the decode
+# step's tile) and several (`gluon_decode.tile_shape`'s other).
 GUARD_CASE = _decode_case("guards", (700, 90, 2100), 32, 8, sinks=True)
+MULTI_GUARD_CASE = _decode_case("guards_multi", (700, 90, 2100), 32, 8, q_lens=(3, 2, 3), sinks=True)
+GUARD_CASES = pytest.mark.parametrize("guard_case", (GUARD_CASE, MULTI_GUARD_CASE), ids=("q1", "multi"))
 
 
 class _Counting:
@@ -163,20 +179,25 @@ def test_gpu_gluon_decode_agrees_with_the_triton_decode(preset, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_gluon_decode_padding_rows_are_zero(preset):
-    """T <= B with rows past ``query_start_loc[B]`` (vLLM's padded CUDA-graph batches)."""
-    case = _decode_case("padded", (300, 20, 0, 0), 32, 8, q_lens=(1, 1, 0, 0))
+@pytest.mark.parametrize("q_lens", ((1, 1, 0, 0), (3, 2, 0, 0)), ids=("q1", "multi"))
+def test_gpu_gluon_decode_padding_rows_are_zero(preset, q_lens, monkeypatch):
+    """Rows past ``query_start_loc[B]`` (vLLM's padded CUDA-graph batches) come out zero."""
+    case = _decode_case("padded", (300, 20, 0, 0), 32, 8, q_lens=q_lens)
     built = build(case, preset, dev=torch.device("cuda"))
+    t = sum(q_lens)
     extra = torch.randn(2, *built.query.shape[1:], generator=torch.Generator().manual_seed(1)).to(built.query)
+    counting = _Counting(monkeypatch)
     out = _run(built, query=torch.cat([built.query, extra]))
-    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
-    check_against_reference(built, out[:2].contiguous())
+    assert counting.calls == 1
+    assert torch.equal(out[t:], torch.zeros_like(out[t:]))
+    check_against_reference(built, out[:t].contiguous())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_gluon_decode_nan_query_and_sink_propagate(preset):
-    built = build(GUARD_CASE, preset, dev=torch.device("cuda"))
+@GUARD_CASES
+def test_gpu_gluon_decode_nan_query_and_sink_propagate(preset, guard_case):
+    built = build(guard_case, preset, dev=torch.device("cuda"))
     clean = _run(built)
     query = built.query.clone()
     query[1, 5, 7] = float("nan")  # token 1, head 5 (kv head 1)
@@ -197,11 +218,12 @@ def test_gpu_gluon_decode_nan_query_and_sink_propagate(preset):
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("bad", (-5, 2**31 - 1, 10**6))
-def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(preset, bad):
+@GUARD_CASES
+def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(preset, bad, guard_case):
     """Block ids outside [0, N) mask their keys (a row with none left is zero); seq_lens are clamped
     to what the block table addresses (a negative one sees no key); other sequences' rows are
     bitwise unchanged."""
-    case = dataclasses.replace(GUARD_CASE, sinks=False)
+    case = dataclasses.replace(guard_case, sinks=False)
     built = build(case, preset, dev=torch.device("cuda"))
     clean = _run(built)
     table = built.block_table.clone()
@@ -223,10 +245,13 @@ def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(preset, bad):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("qsl,laid_out", [([0, 2, 1, 3], [0, 2, 2, 3]), ([0, 2**31 - 1, -2**31, 3], [0, 3, 3, 3]),
-                                          ([0, 1, 2, 9], [0, 1, 2, 3])])
-def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(preset, qsl, laid_out):
-    built = build(GUARD_CASE, preset, dev=torch.device("cuda"))
+@pytest.mark.parametrize("guard_case,qsl,laid_out", [
+    (GUARD_CASE, [0, 2, 1, 3], [0, 2, 2, 3]), (GUARD_CASE, [0, 2**31 - 1, -2**31, 3], [0, 3, 3, 3]),
+    (GUARD_CASE, [0, 1, 2, 9], [0, 1, 2, 3]), (MULTI_GUARD_CASE, [0, 5, 2, 8], [0, 5, 5, 8]),
+    (MULTI_GUARD_CASE, [0, 2**31 - 1, -2**31, 8], [0, 8, 8, 8]), (MULTI_GUARD_CASE, [0, 3, 5, 30], [0, 3, 5, 8]),
+    (MULTI_GUARD_CASE, [-4, 1, 7, 8], [0, 1, 7, 8])])
+def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(preset, guard_case, qsl, laid_out):
+    built = build(guard_case, preset, dev=torch.device("cuda"))
     as_tensor = functools.partial(torch.tensor, dtype=torch.int32, device=built.query.device)
     expected = _run(built, query_start_loc=as_tensor(laid_out))
     got = _run(built, query_start_loc=as_tensor(qsl))
@@ -236,8 +261,9 @@ def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(preset, q
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_gluon_decode_cuda_graph_replay_matches_eager(preset, monkeypatch):
-    built = build(GUARD_CASE, preset, dev=torch.device("cuda"))
+@GUARD_CASES
+def test_gpu_gluon_decode_cuda_graph_replay_matches_eager(preset, guard_case, monkeypatch):
+    built = build(guard_case, preset, dev=torch.device("cuda"))
     counting = _Counting(monkeypatch)
 
     def step():

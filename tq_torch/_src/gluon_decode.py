@@ -3,10 +3,11 @@
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
 (4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys), ``turboquant_3bit_nc`` (3-bit keys and
 values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA group of at most
-8, a bfloat16 query and output, an sm_90 device, at most one query row per sequence on average
-(``T <= B``: decode steps; each row is its own program, so a sequence with more rows is correct,
-one pass over its keys per row), sinks; no sliding window or soft cap (those calls keep the Triton
-kernels). Same function, partials and merge as `decode`; the same metadata guards (`_token_owner`,
+8, a bfloat16 query and output, an sm_90 device, sinks; no sliding window or soft cap (those calls
+keep the Triton kernels). Decode steps (``T <= B``) run one program per query row, the GQA group as 8
+columns; batches with several query tokens per sequence (speculative verification, ``T > B``) run
+tiles of the decode path's ``16 // G`` tokens x ``G`` heads (`tile_shape`) as 16 columns, each key decoded
+once for the whole tile, causal per column. Same function, partials and merge as `decode`; the same metadata guards (`_token_owner`,
 `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
@@ -14,7 +15,7 @@ L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared 
 way to the tensor cores. Here each warp is an independent stream of 16-key pages, and every
 thread loads exactly the slot bytes its mma.sync fragments hold:
 
-- ``S^T = K @ Q^T`` (m16n8k16: the warp's 16 keys as rows, the GQA group padded to 8 as columns):
+- ``S^T = K @ Q^T`` (m16n8k16: the warp's 16 keys as rows, the tile's query rows as 8 or 16 columns):
   thread ``(g, t) = (lane // 4, lane % 4)`` holds keys ``g`` and ``g + 8`` and dims ``2t + e (+ 8) + 16i``
   of the A fragment. The dims of a dot may be taken in any order, so the query's dims are permuted
   once (``k = 16 i + 8 j1 + 2 t + e`` <- ``16 i + 4 t + 2 j1 + e``): the thread's 32 dims of a key are
@@ -72,6 +73,12 @@ MAX_GROUP = 8
 MAXNREG = 168
 PROGRAMS_PER_SM = 3  # resident programs per SM at MAXNREG
 WAVES = 2
+# Tiles of several query tokens (16 columns): no register cap (247-254 registers for the mse keys, no spill;
+# 2 programs per SM), one wave. H200, CUDA-graph replays, B=32 x 8k, q_len 4, GQA 4, 4bit_nc (us): cap 200
+# 333, 232 270, none 258-262; then 1 split (one wave) 246, 2 splits 262, 3 splits 287.
+MULTI_MAXNREG = None
+MULTI_PROGRAMS_PER_SM = 2
+MULTI_WAVES = 1
 MIN_SPLIT_PAGES = 16
 
 
@@ -283,12 +290,57 @@ def _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW: gl.constexpr):
 
 
 @gluon.jit
-def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale, qk_scale,
-                 NW: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, PK: gl.constexpr,
-                 A_L: gl.constexpr, B_L: gl.constexpr):
-    """One page per warp (`_load_page`'s ``words``) into the running state ``acc`` (O^T ``[w, 128, 8]``),
-    ``m_i``, ``l_i``, ``z_i`` (``[w, 8]``); returns the new state. ``entry``: this lane's codebook
-    entry (`_LANE_ENTRY`; for fp8 keys any int32 tensor of its shape)."""
+def _find_tile(qsl_ptr, pid, num_seqs, num_tokens, BLOCK_Q: gl.constexpr, NW: gl.constexpr):
+    """Sequence, first row and row count of tile id ``pid`` (``BLOCK_Q`` rows per tile), as
+    `attention_kernel._find_sequence` finds them: rows laid out as `_token_owner` lays them out, sequence
+    ``b``'s tiles numbered from ``s[b] // BLOCK_Q + b``, and tile ``pid`` taken by the last sequence whose
+    first tile id is ``<= pid`` (the caller checks that the tile's first row is inside it)."""
+    CHUNK: gl.constexpr = 32 * NW
+    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+    j = gl.arange(0, CHUNK, layout=L)
+    base = _clamp(gl.load(qsl_ptr), 0, num_tokens)
+    q_start = base
+    count = pid * 0
+    for chunk in range(0, num_seqs, CHUNK):
+        idx = chunk + j
+        live = idx < num_seqs
+        lo = _clamp(gl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
+        hi = _clamp(gl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
+        grow = gl.where(live, gl.maximum(hi - lo, 0), 0)
+        starts = gl.minimum(base + gl.associative_scan(grow, 0, _add) - grow, num_tokens)
+        take = live & (starts // BLOCK_Q + idx <= pid)
+        count += gl.sum(take.to(gl.int32), axis=0)
+        q_start = gl.maximum(q_start, gl.max(gl.where(take, starts, 0), axis=0))
+        base = gl.minimum(base + gl.sum(grow, axis=0), num_tokens)
+    seq = gl.maximum(count - 1, 0)
+    grow_b = gl.maximum(_clamp(gl.load(qsl_ptr + seq + 1), 0, num_tokens)
+                        - _clamp(gl.load(qsl_ptr + seq), 0, num_tokens), 0)
+    return seq, q_start, gl.minimum(q_start + grow_b, num_tokens) - q_start
+
+
+@gluon.jit
+def _tile_rows(r, q_start, q_len, tok0, live, seq_len, G: gl.constexpr, BLOCK_Q: gl.constexpr):
+    """Of a tile's columns ``r`` (any shape and layout): the query row (int64), the query head within the
+    GQA group, whether the column's partials are written, and the end of the keys it sees."""
+    tok = tok0 + r // G
+    if BLOCK_Q == 1:
+        written = r < G
+    else:
+        written = (r < BLOCK_Q * G) & live & (tok < q_len)
+    return (q_start + tok).to(gl.int64), r % G, written, seq_len - q_len + tok + 1
+
+
+@gluon.jit
+def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale, qk_scale, key_pos,
+                 row_end, NW: gl.constexpr, NR: gl.constexpr, BLOCK_Q: gl.constexpr, KEY_BITS: gl.constexpr,
+                 VALUE_BITS: gl.constexpr, PK: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+    """One page per warp (`_load_page`'s ``words``) into the running state: ``acc`` (O^T ``[w, 128, NR]``),
+    the running max ``m_i`` ``[w, NR]``, and per key and column the sums of the weights ``l_i`` and of the
+    value zero points' terms ``z_i`` (``[w, 16, NR]`` as the scores with 16 columns, else ``[w, NR]``); returns
+    the new state. ``entry``: this lane's codebook
+    entry (`_LANE_ENTRY`; for fp8 keys any int32 tensor of its shape). With ``BLOCK_Q > 1`` (rows of
+    several tokens), column ``r`` sees the keys at positions ``key_pos [w, 16]`` below ``row_end [1, 1, NR]``
+    (causal); otherwise every column sees the page's valid keys."""
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     kwords, vwords, knorm, vscale, vzero, ok = words
     if KEY_FP8:
@@ -328,26 +380,34 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
 
     # S^T [w, 16 keys, 8 rows] = K @ Q^T; mse keys: times norm / ||c|| (||c||^2: a ones dot of the squares)
     s = mma_v2(kc, q, zero_s)
+    visible = gl.expand_dims(ok, 2)
+    if BLOCK_Q > 1:
+        visible = visible & (gl.expand_dims(key_pos, 2) < row_end)
     if KEY_FP8:
-        s = gl.where(gl.expand_dims(ok, 2), s * qk_scale, float("-inf"))
+        s = gl.where(visible, s * qk_scale, float("-inf"))
     else:
         knorm = knorm.to(gl.float16, bitcast=True).to(gl.float32)
         nsq = mma_v2(ksq, ones, zero_s)
         factor = gl.expand_dims(knorm * (square_scale * qk_scale), 2) * gl.rsqrt(nsq)
-        s = gl.where(gl.expand_dims(ok, 2), s * factor, float("-inf"))
+        s = gl.where(visible, s * factor, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
     ps = (p * gl.expand_dims(vscale, 2)).to(gl.bfloat16)
-    psr = ps.to(gl.float32)
-    z_i = z_i * alpha + gl.sum(p * gl.expand_dims(vzero, 2) - 128.0 * psr, axis=1)
+    zp = p * gl.expand_dims(vzero, 2) - 128.0 * ps.to(gl.float32)
+    if NR == 16:  # the sums stay per key (summed once after the loop): no shuffles, 4 more registers
+        l_i = l_i * gl.expand_dims(alpha, 1) + p
+        z_i = z_i * gl.expand_dims(alpha, 1) + zp
+    else:  # (the 4-bit keys' 8-column loop would spill at `MAXNREG`)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        z_i = z_i * alpha + gl.sum(zp, axis=1)
     # P^T as a B operand: each 8 x 8 fragment of S^T's registers transposed across the warp
     # (`_TRANSPOSE_8X8`), then the same registers read as [keys, rows] with keys 2t + e: for the
     # compiler the asm is elementwise, so the indices are relabelled to what the registers hold.
     pt = gl.inline_asm_elementwise(_TRANSPOSE_8X8, "=r,r", [ps], dtype=gl.bfloat16, is_pure=True, pack=2)
-    pt = gl.reshape(gl.permute(gl.reshape(pt, [NW, 2, 8, 8]), [0, 1, 3, 2]), [NW, 16, 8])
+    # [w, key half, g, column half, 2t + e] -> [w, (key half, 2t + e), (column half, g)]
+    pt = gl.reshape(gl.permute(gl.reshape(pt, [NW, 2, 8, NR // 8, 8]), [0, 1, 4, 3, 2]), [NW, 16, NR])
     pt = gl.convert_layout(pt, B_L, assert_trivial=True)
     acc = mma_v2(vc, pt, acc * gl.expand_dims(alpha, 1))
     return acc, m_new, l_i, z_i
@@ -359,19 +419,24 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                         k_stride_cn, k_stride_cp, k_stride_ch, num_blocks, num_splits, num_q_heads, num_seqs,
                         num_tokens, qk_scale, max_seq_len, G: gl.constexpr, KEY_BITS: gl.constexpr,
                         KEY_NORM_WORD: gl.constexpr, VALUE_BITS: gl.constexpr, VALUE_WORD: gl.constexpr,
-                        SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr):
-    """One (query row, kv head, split): unnormalised partials of the split's visible pages (log2
+                        SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr,
+                        BLOCK_Q: gl.constexpr, NR: gl.constexpr):
+    """One (tile of query rows, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
     ``q_ptr``: the query ``[T, Hq, 128]`` bf16 (rotated for mse keys); ``cache_ptr``: the cache as
     int16 words; ``kcache_ptr`` and ``k_stride_*``: the cache as key words (int16 words of 3- or
     4-bit codes, ``KEY_BITS`` 3 or 4; int32 words of four fp8 keys, ``KEY_BITS`` 8); ``cb_ptr``: the
     ``2**KEY_BITS``-entry fp32 key codebook (not read for fp8 keys); ``*_WORD``: the slot's int16
-    word offsets of its fields; ``UNROLL``: pages per warp per loop trip (1 or 2). A row's sequence is
-    `_token_owner`'s; each row is its own pass over its keys (one per sequence in a decode step;
-    q_len > 1 is correct, not fast).
+    word offsets of its fields; ``UNROLL``: pages per warp per loop trip (1 or 2).
+
+    A tile is ``BLOCK_Q`` query tokens of one sequence x the ``G`` query heads of the kv head: ``NR``
+    (8 or 16) columns of the dots, column ``r`` = token ``r // G``, head ``r % G``. ``BLOCK_Q`` 1 (decode
+    steps): program ``x`` takes row ``x``, whose sequence is `_token_owner`'s. ``BLOCK_Q > 1`` (several
+    query tokens per sequence): tile ids as the Triton kernels number them (`_find_tile`), each column
+    masked causally.
     """
-    tok = gl.program_id(0)
+    pid = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
     NW: gl.constexpr = 4
@@ -400,11 +465,18 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
 
     # Metadata guards (as the Triton kernels'): rows laid out with one owner each, lengths clamped to
     # what the block table can address, block ids outside [0, N) mask their keys (`_page_base`).
-    seq, q_start, q_len, owned = _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW)
+    if BLOCK_Q == 1:
+        seq, q_start, q_len, live = _token_owner(qsl_ptr, pid, num_seqs, num_tokens, NW)
+        tok0 = pid - q_start  # the row's token within its sequence
+    else:
+        seq, q_start, q_len = _find_tile(qsl_ptr, pid, num_seqs, num_tokens, BLOCK_Q, NW)
+        tok0 = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # the tile's first token within its sequence
+        live = (tok0 >= 0) & (tok0 < q_len)
     seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + seq), 0), max_seq_len)
-    # The row sits at position seq_len - q_len + (tok - q_start): keys [0, kv_end) are visible. A row
-    # no sequence owns (padding) sees none, and its partials are never merged.
-    kv_end = gl.where(owned, seq_len - q_len + 1 + (tok - q_start), 0)
+    # Token i of the sequence sits at position seq_len - q_len + i and sees keys [0, seq_len - q_len + i + 1);
+    # the tile reads the keys its last token sees, [0, kv_end). A row no sequence owns (padding) sees none
+    # (BLOCK_Q 1: its partials are written but never merged), a tile past its sequence writes nothing.
+    kv_end = gl.where(live, seq_len - q_len + gl.minimum(tok0 + BLOCK_Q, q_len), 0)
     n_pages = (gl.maximum(kv_end, 0) + 15) // 16
     STEP: gl.constexpr = NW * UNROLL  # pages per loop trip
     chunk = (((n_pages + num_splits - 1) // num_splits + STEP - 1) // STEP) * STEP
@@ -422,10 +494,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         k_cn = stride_cn
         k_cp = stride_cp
 
-    # ---- query^T [w, 128, 8 rows] in the B layout, dims permuted to the codes a lane holds: k = 16i + 8j1 +
+    # ---- query^T [w, 128, NR columns] in the B layout, dims permuted to the codes a lane holds: k = 16i + 8j1 +
     # 2t + e <- 16i + 4t + 2j1 + e (word t + 4i, code 2j1 + e), or for 3 bits 32t + 4i + 2j1 + e (lane t's codes)
     qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
-    qr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
+    qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
     if KEY_BITS == 3:
         qmem = 32 * ((qk // 2) % 4) + 4 * (qk // 16) + 2 * ((qk // 8) % 2) + qk % 2
     else:
@@ -433,9 +505,14 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 2)
     qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
     qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
-    qoff = tok.to(gl.int64) * stride_qt + (kv_head * G + qrow) * stride_qh + qcol + qw * 0
-    q = gl.load(q_ptr + qoff, mask=(qrow < G) & (qcol >= 0) & (qw >= 0), other=0.0)
-    ones = gl.full([NW, 128, 8], 1.0, gl.float16, B_L)
+    q_row, q_head, q_written, _ = _tile_rows(qrow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
+    qoff = q_row * stride_qt + (kv_head * G + q_head) * stride_qh + qcol + qw * 0
+    q = gl.load(q_ptr + qoff, mask=q_written & (qcol >= 0) & (qw >= 0), other=0.0)
+    ones = gl.full([NW, 128, NR], 1.0, gl.float16, B_L)
+    # Per column, the end of the keys it sees (read with BLOCK_Q > 1 only)
+    _, _, _, row_end = _tile_rows(gl.arange(0, NR, layout=gl.SliceLayout(0, SR)), q_start, q_len, tok0, live,
+                                  seq_len, G, BLOCK_Q)
+    row_end = gl.expand_dims(gl.expand_dims(row_end, 0), 1)
 
     # ---- index tensors, K words
     if KEY_BITS == 3:
@@ -472,11 +549,15 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
              gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
 
     vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
-    acc = gl.zeros([NW, 128, 8], gl.float32, MMA)  # O^T: dims x rows 0..7
-    m_i = gl.full([NW, 8], float("-inf"), gl.float32, SR)
-    l_i = gl.zeros([NW, 8], gl.float32, SR)
-    z_i = gl.zeros([NW, 8], gl.float32, SR)
-    zero_s = gl.zeros([NW, 16, 8], gl.float32, MMA)
+    acc = gl.zeros([NW, 128, NR], gl.float32, MMA)  # O^T: dims x columns
+    m_i = gl.full([NW, NR], float("-inf"), gl.float32, SR)
+    if NR == 16:  # (`_attend_page`)
+        l_i = gl.zeros([NW, 16, NR], gl.float32, MMA)
+        z_i = gl.zeros([NW, 16, NR], gl.float32, MMA)
+    else:
+        l_i = gl.zeros([NW, NR], gl.float32, SR)
+        z_i = gl.zeros([NW, NR], gl.float32, SR)
+    zero_s = gl.zeros([NW, 16, NR], gl.float32, MMA)
     # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
     blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w5, v_w6, sk_w)
     cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo,
@@ -491,39 +572,46 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                              stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6,
                              sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
             blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w5, v_w6, sk_w)
+            key_pos = (page_lo + it * NW + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
-                                              square_scale, qk_scale, NW, KEY_BITS, VALUE_BITS, PK, A_L, B_L)
+                                              square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS,
+                                              VALUE_BITS, PK, A_L, B_L)
         words = cur
         cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
                          stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w,
                          sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
         blocks = _page_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w5, v_w6, sk_w)
+        key_pos = (page_lo + (it + UNROLL - 1) * NW + sk_w[:, None]) * 16 + sk_n[None, :]
         acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
-                                          qk_scale, NW, KEY_BITS, VALUE_BITS, PK, A_L, B_L)
+                                          qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS, VALUE_BITS, PK,
+                                          A_L, B_L)
 
     # ---- merge the warps
+    if NR == 16:
+        l_i = gl.sum(l_i, axis=1)
+        z_i = gl.sum(z_i, axis=1)
     m_all = gl.max(m_i, axis=0)
     m_all_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
     wsc = gl.exp2(m_i - gl.expand_dims(m_all_safe, 0))
     l_all = gl.sum(l_i * wsc, axis=0)
     z_all = gl.sum(z_i * wsc, axis=0)
-    o = gl.sum(acc * gl.expand_dims(wsc, 1), axis=0)  # [128, 8]
+    o = gl.sum(acc * gl.expand_dims(wsc, 1), axis=0)  # [128, NR]
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
     o = o + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, OL)), 0)
     on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
-    orow = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
+    orow = gl.arange(0, NR, layout=gl.SliceLayout(0, OL))
     if VALUE_BITS == 3:  # row 32i + 8j + g holds code j of field i of lane g's codes 16g .. 16g + 15
         omem = 16 * (on % 8) + 4 * (on // 32) + (on // 8) % 4
     else:  # ... nibble j of value word g + 8i
         omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
-    part = (tok.to(gl.int64) * num_q_heads + kv_head * G + orow) * num_splits + split
-    gl.store(part_acc_ptr + part[None, :] * 128 + omem[:, None], o,
-             mask=(orow < G)[None, :] & (omem >= 0)[:, None])
-    RL: gl.constexpr = gl.SliceLayout(0, SR)
-    rr = gl.arange(0, 8, layout=RL)
-    part_r = (tok.to(gl.int64) * num_q_heads + kv_head * G + rr) * num_splits + split
-    gl.store(part_m_ptr + part_r, m_all, mask=rr < G)
-    gl.store(part_l_ptr + part_r, l_all, mask=rr < G)
+    o_row, o_head, o_written, _ = _tile_rows(orow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
+    part = (o_row * num_q_heads + kv_head * G + o_head) * num_splits + split
+    gl.store(part_acc_ptr + part[None, :] * 128 + omem[:, None], o, mask=o_written[None, :] & (omem >= 0)[:, None])
+    rr = gl.arange(0, NR, layout=gl.SliceLayout(0, SR))
+    r_row, r_head, r_written, _ = _tile_rows(rr, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
+    part_r = (r_row * num_q_heads + kv_head * G + r_head) * num_splits + split
+    gl.store(part_m_ptr + part_r, m_all, mask=r_written)
+    gl.store(part_l_ptr + part_r, l_all, mask=r_written)
 
 
 def _format_key(fmt: dict) -> tuple:
@@ -578,9 +666,15 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
         return f"needs a GQA group of at most {MAX_GROUP}"
     if query_dtype != torch.bfloat16 or out_dtype != torch.bfloat16:
         return "needs a bfloat16 query and output"
-    if num_tokens > num_seqs:
-        return "decode steps only (num_tokens <= num_seqs): one pass over the keys per query token"
     return None
+
+
+def tile_shape(*, num_tokens: int, num_seqs: int, group: int) -> tuple:
+    """``(BLOCK_Q, NR)`` of a launch: query tokens per tile and the dots' columns. Decode steps
+    (``T <= B``): one token per program, 8 columns. Otherwise (several query tokens per sequence, e.g.
+    speculative decoding): the decode path's tile (`tq_spec.dispatch.decode_tile_tokens`: ``16 // G``
+    tokens of one sequence), 16 columns, so that each key is decoded once for all of them."""
+    return (1, 8) if num_tokens <= num_seqs else (tq_spec.dispatch.decode_tile_tokens(group), 16)
 
 
 def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
@@ -592,7 +686,7 @@ def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
     return not kv_cache.data_ptr() % 4 and all(st % 4 == 0 for st in kv_cache.stride()[:-1])
 
 
-def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, max_context: int,
+def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs: int, max_context: int,
                device: torch.device) -> int:
     """Splits per (row, kv head), from static shapes only (CUDA-graph safe).
 
@@ -603,8 +697,10 @@ def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, max_cont
     B=16 x 8k 96 / 102 (6), B=8 x 32k 176 / 180 (12), B=4 x 4k 23.7 / 23.7 (8), B=2 x 8k 23.6 / 23.6
     (16), B=1 x 32k 34.9 at 32 (this rule: 33), B=1 x 4k 14.2 / 14.2 (16).
     """
-    programs = max(1, num_tokens * num_kv_heads)
-    per_sm = PROGRAMS_PER_SM * WAVES if programs >= 64 else WAVES
+    block_q, _ = tile_shape(num_tokens=num_tokens, num_seqs=num_seqs, group=num_q_heads // num_kv_heads)
+    programs = max(1, -(-num_tokens // block_q) * num_kv_heads)
+    resident, waves = (PROGRAMS_PER_SM, WAVES) if block_q == 1 else (MULTI_PROGRAMS_PER_SM, MULTI_WAVES)
+    per_sm = resident * waves if programs >= 64 else WAVES
     splits = max(1, round(per_sm * config.sm_count(device) / programs))
     splits = max(1, min(splits, max_context // (PAGE_SIZE * MIN_SPLIT_PAGES), config._MAX_SPLITS))
     per_split = num_tokens * num_q_heads * (HEAD_DIM + 2) * 4
@@ -621,12 +717,17 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
     """
     rows = num_tokens * num_q_heads * num_splits
     slot = _FORMATS[_format_key(fmt)]
-    split = kernel_site(gluon_decode_kernel, dict(G=num_q_heads // num_kv_heads, **slot, num_warps=4,
-                                                  maxnreg=MAXNREG))
+    group = num_q_heads // num_kv_heads
+    block_q, nr = tile_shape(num_tokens=num_tokens, num_seqs=num_seqs, group=group)
+    maxnreg = MAXNREG if block_q == 1 else MULTI_MAXNREG
+    split = kernel_site(gluon_decode_kernel, dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, num_warps=4,
+                                                  **({} if maxnreg is None else dict(maxnreg=maxnreg))))
+    # Tile ids as `attention_kernel.tiles_spec` numbers them: sequence b's from s[b] // BLOCK_Q + b.
+    tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     merge = kernel_site(_decode_merge_kernel, dict(
         SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=HEAD_DIM, D_PAD=HEAD_DIM, HAS_SINKS=has_sinks,
         OUT_DTYPE=tl.bfloat16, INTERPRET=False, num_warps=4))
-    return (split, (num_tokens, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads), rows * (HEAD_DIM + 2),
+    return (split, (tiles, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads), rows * (HEAD_DIM + 2),
             (rows * HEAD_DIM, rows, rows), num_splits, num_seqs, max_blocks * PAGE_SIZE, slot)
 
 

@@ -126,7 +126,7 @@ def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: tor
         return None
     hkv = kv_cache.shape[2]
     splits = num_splits or gluon_decode.num_splits(
-        num_kv_heads=hkv, num_tokens=t, num_q_heads=hq,
+        num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, num_seqs=num_seqs,
         max_context=max_blocks * kv_cache.shape[1], device=kv_cache.device)
     return gluon_decode.decode_spec(fmt, num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, num_seqs=num_seqs,
                                     max_blocks=max_blocks, num_splits=splits, has_sinks=sinks is not None)
