@@ -256,6 +256,16 @@ def _add(a, b):
 
 
 @gluon.jit
+def _row_counts(qsl_ptr, idx, num_seqs, num_tokens):
+    """Whether sequences ``idx`` exist, and their query row counts as the metadata guards lay rows out:
+    ``max(c[b+1] - c[b], 0)`` with ``c = clamp(query_start_loc, 0, T)`` (0 past ``num_seqs``)."""
+    live = idx < num_seqs
+    lo = _clamp(gl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
+    hi = _clamp(gl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
+    return live, gl.where(live, gl.maximum(hi - lo, 0), 0)
+
+
+@gluon.jit
 def _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW: gl.constexpr):
     """Sequence, first row and row count of the sequence owning row ``tok``, and whether one does.
 
@@ -274,11 +284,7 @@ def _token_owner(qsl_ptr, tok, num_seqs, num_tokens, NW: gl.constexpr):
     start = first  # s[owner]: the largest end <= tok
     end = tok * 0 + num_tokens  # s[owner + 1]: the smallest end > tok
     for chunk in range(0, num_seqs, CHUNK):
-        idx = chunk + j
-        live = idx < num_seqs
-        lo = _clamp(gl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
-        hi = _clamp(gl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
-        grow = gl.where(live, gl.maximum(hi - lo, 0), 0)
+        live, grow = _row_counts(qsl_ptr, chunk + j, num_seqs, num_tokens)
         ends = gl.minimum(base + gl.associative_scan(grow, 0, _add), num_tokens)
         before = live & (ends <= tok)
         owner += gl.sum(before.to(gl.int32), axis=0)
@@ -303,10 +309,7 @@ def _find_tile(qsl_ptr, pid, num_seqs, num_tokens, BLOCK_Q: gl.constexpr, NW: gl
     count = pid * 0
     for chunk in range(0, num_seqs, CHUNK):
         idx = chunk + j
-        live = idx < num_seqs
-        lo = _clamp(gl.load(qsl_ptr + idx, mask=live, other=0), 0, num_tokens)
-        hi = _clamp(gl.load(qsl_ptr + idx + 1, mask=live, other=0), 0, num_tokens)
-        grow = gl.where(live, gl.maximum(hi - lo, 0), 0)
+        live, grow = _row_counts(qsl_ptr, idx, num_seqs, num_tokens)
         starts = gl.minimum(base + gl.associative_scan(grow, 0, _add) - grow, num_tokens)
         take = live & (starts // BLOCK_Q + idx <= pid)
         count += gl.sum(take.to(gl.int32), axis=0)
