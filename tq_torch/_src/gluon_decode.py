@@ -6,9 +6,9 @@ values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA
 8, a bfloat16 query and output, an sm_90 device, sinks; no sliding window or soft cap (those calls
 keep the Triton kernels). Decode steps (``T <= B``) run one program per query row, the GQA group as 8
 columns; batches with several query tokens per sequence (speculative verification, ``T > B``) run
-tiles of the decode path's ``16 // G`` tokens x ``G`` heads (`tile_shape`) as 16 columns, each key decoded
-once for the whole tile, causal per column. Same function, partials and merge as `decode`; the same metadata guards (`_token_owner`,
-`_page_base`, clamped lengths).
+tiles of the decode path's ``16 // G`` tokens x ``G`` heads (`tile_shape`) as 16 columns, each key
+decoded once for the whole tile, causal per column. Same function, partials and merge as `decode`;
+the same metadata guards (`_token_owner`, `_find_tile`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
 L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
@@ -340,10 +340,10 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
     """One page per warp (`_load_page`'s ``words``) into the running state: ``acc`` (O^T ``[w, 128, NR]``),
     the running max ``m_i`` ``[w, NR]``, and per key and column the sums of the weights ``l_i`` and of the
     value zero points' terms ``z_i`` (``[w, 16, NR]`` as the scores with 16 columns, else ``[w, NR]``); returns
-    the new state. ``entry``: this lane's codebook
-    entry (`_LANE_ENTRY`; for fp8 keys any int32 tensor of its shape). With ``BLOCK_Q > 1`` (rows of
-    several tokens), column ``r`` sees the keys at positions ``key_pos [w, 16]`` below ``row_end [1, 1, NR]``
-    (causal); otherwise every column sees the page's valid keys."""
+    the new state. ``entry``: this lane's codebook entry (`_LANE_ENTRY`; for fp8 keys any int32 tensor of
+    its shape). With ``BLOCK_Q > 1`` (columns of several tokens), column ``r`` sees the keys at positions
+    ``key_pos [w, 16]`` below ``row_end [1, 1, NR]`` (causal); otherwise every column sees the page's valid
+    keys."""
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     kwords, vwords, knorm, vscale, vzero, ok = words
     if KEY_FP8:
