@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -116,6 +118,20 @@ def test_attention_remembered_call_still_checks_what_varies():
         _attend(args=a, out=torch.empty(2, 4, D, device=device()))
     with pytest.raises(ValueError, match="seq_lens"):
         _attend(args=dict(a, seq_lens=torch.tensor([3, 99], dtype=torch.int32, device=device())), validate=True)
+
+
+def test_attention_remembered_calls_keep_their_own_arguments():
+    """Each remembered signature keeps its own resolved scale, window, soft cap and path: calls that
+    alternate between signatures over the same data each match the reference (first and repeated calls)."""
+    from tq_torch_testlib import AttnCase, build, check_against_reference
+
+    base = AttnCase("remembered_decode", seq_lens=(9, 14), q_lens=(1, 1), presets=(PRESET,))
+    variants = [base, dataclasses.replace(base, scale=0.3), dataclasses.replace(base, window=3),
+                dataclasses.replace(base, soft_cap=5.0), dataclasses.replace(base, sinks=True)]
+    built = [build(case, PRESET, seed=7, dev=device()) for case in variants]
+    for _ in range(2):
+        for b in built:
+            check_against_reference(b, tq_torch.paged_attention(*b.args(), **b.kwargs()))
 
 
 def test_store_remembered_call_still_checks_what_varies():

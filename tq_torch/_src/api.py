@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -135,7 +136,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 
 # Static facts of calls that passed every static check (eager only; see
-# `_static_signature`): signature -> resolved path. Bounded: eager prefills
+# `_static_signature`): signature -> `_Resolved`. Bounded: eager prefills
 # bring new shapes every call.
 _CHECKED: dict = {}
 _MAX_CHECKED = 1024
@@ -166,9 +167,9 @@ def _static_signature(preset, path, query, kv_cache, block_table, seq_lens, quer
 
 def _remembered_path(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc, scale,
                      sliding_window, logits_soft_cap, sinks, rotation, codebook):
-    """``(signature, path)``: the call's static signature (None when it is not remembered: traced
-    calls, user rotation/codebook, non-str preset or path, unhashable arguments) and the path a
-    call with that signature resolved to after passing every static check (None if none did)."""
+    """``(signature, resolved)``: the call's static signature (None when it is not remembered: traced
+    calls, user rotation/codebook, non-str preset or path, unhashable arguments) and the `_Resolved`
+    of a call with that signature that passed every static check (None if none did)."""
     if (type(preset) is not str or type(path) is not str or rotation is not None or codebook is not None
             or torch.compiler.is_compiling()):
         return None, None
@@ -180,53 +181,72 @@ def _remembered_path(preset, path, query, kv_cache, block_table, seq_lens, query
         return None, None
 
 
+class _Resolved(NamedTuple):
+    """What the op gets besides the tensors, for every call of one static signature."""
+
+    path: str  # the dispatched path
+    preset: str  # the preset's name
+    scale: float
+    sliding_window: int  # 0: none
+    logits_soft_cap: float  # 0.0: none
+
+
 def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *, preset, scale,
                      sliding_window, logits_soft_cap, sinks, rotation, codebook, path, out,
                      num_splits: int, validate=None):
     """`paged_attention` with the decode split count forceable (0 = automatic), for tests."""
-    p = tq_spec.get_preset(preset)
     for name, x in (("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
                     ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         _expect_tensor(name, x)
     if sinks is not None:
         _expect_tensor("sinks", sinks)
     # Host time is the cost of a B=1 decode step: an eager call whose static facts
-    # already passed skips the static checks and the dispatcher (same errors, same
-    # order: only passing signatures are remembered).
-    signature, chosen = _remembered_path(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc,
-                                         scale, sliding_window, logits_soft_cap, sinks, rotation, codebook)
-    if chosen is None:
+    # already passed skips the static checks, the dispatcher and the argument
+    # resolution (same errors, same order: only passing signatures are remembered).
+    signature, resolved = _remembered_path(preset, path, query, kv_cache, block_table, seq_lens, query_start_loc,
+                                           scale, sliding_window, logits_soft_cap, sinks, rotation, codebook)
+    p = None
+    if resolved is None:
+        p = tq_spec.get_preset(preset)
         validation.check_paged_attention(
             query, kv_cache, block_table, seq_lens, query_start_loc, preset=p, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if validation.validate_enabled(validate):
         validation.check_paged_attention_values(
-            query, kv_cache, _host(block_table), _host(seq_lens), _host(query_start_loc), preset=p, scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+            query, kv_cache, _host(block_table), _host(seq_lens), _host(query_start_loc),
+            preset=p or tq_spec.get_preset(preset), scale=scale, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, sinks=sinks)
     dev = kv_cache.device
-    if chosen is None:
+    if resolved is None:
         if not isinstance(path, str):
             raise TypeError(f"path: expected a str ('auto' or a path name), got {type(path).__name__}")
         config.check_device(dev)
     _check_same_device(dev, query=query, block_table=block_table, seq_lens=seq_lens,
                        query_start_loc=query_start_loc, sinks=sinks, out=out)
-    if chosen is None:
+    if resolved is None:
         _check_cache_storage(kv_cache)
-    t, hq, d = query.shape
     out = _check_out(query, out)
-    if chosen is None:
-        problem = dispatch.problem_for(query, kv_cache, block_table, preset=p.name, sliding_window=sliding_window)
-        chosen = dispatch.select_path(problem, path)
+    if sinks is not None:
+        sinks = sinks.contiguous()
+    if resolved is not None:  # not traced, default rotation and codebook (`_remembered_path`)
+        ops.paged_attention_impl(query, kv_cache, block_table, seq_lens, query_start_loc, out, sinks, None, None,
+                                 resolved.preset, resolved.scale, resolved.sliding_window,
+                                 resolved.logits_soft_cap, resolved.path, int(num_splits))
+        return out
+    d = query.shape[-1]
+    problem = dispatch.problem_for(query, kv_cache, block_table, preset=p.name, sliding_window=sliding_window)
+    resolved = _Resolved(dispatch.select_path(problem, path), p.name,
+                         float(1.0 / math.sqrt(d) if scale is None else scale), int(sliding_window or 0),
+                         float(logits_soft_cap or 0.0))
     kp = params.resolve_user_params(p, d, dev, rotation, codebook)
-    if signature is not None and signature not in _CHECKED:
+    if signature is not None:
         # Every check above passed for this signature, and none of them reads
         # a value that the signature leaves out.
-        _remember(_CHECKED, signature, chosen)
+        _remember(_CHECKED, signature, resolved)
     _call(torch.ops.tq_torch.paged_attention, ops.paged_attention_impl,
-        query, kv_cache, block_table, seq_lens, query_start_loc, out,
-        None if sinks is None else sinks.contiguous(), kp.rotation, kp.centroids, p.name,
-        float(1.0 / math.sqrt(d) if scale is None else scale),
-        int(sliding_window or 0), float(logits_soft_cap or 0.0), chosen, int(num_splits))
+          query, kv_cache, block_table, seq_lens, query_start_loc, out, sinks, kp.rotation, kp.centroids,
+          resolved.preset, resolved.scale, resolved.sliding_window, resolved.logits_soft_cap, resolved.path,
+          int(num_splits))
     return out
 
 

@@ -754,8 +754,9 @@ def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i1
     cs = cache_i16.stride()
     kcache = cache_i16.view(torch.int32) if slot["KEY_BITS"] == 8 else cache_i16
     ks = kcache.stride()
+    qs, outs = q.stride(), out.stride()
     split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l),
-          (q.stride(0), q.stride(1), block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
+          (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
            cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len))
     merge(merge_grid, (part_acc, part_m, part_l, part_m if sinks is None else sinks, out, query_start_loc),
-          (out.stride(0), out.stride(1), hq, splits, num_seqs))
+          (outs[0], outs[1], hq, splits, num_seqs))

@@ -63,23 +63,21 @@ class KernelSite:
         if config.KERNELS_INTERPRETED or not DIRECT:
             self.kernel[grid](*tensors, *scalars, **self.constexprs)
             return
-        aligned = True
-        dtypes = []
+        low_bits = 0
         for t in tensors:
-            aligned &= not (t.data_ptr() & 15)
-            dtypes.append(t.dtype)
-        if not aligned:
+            low_bits |= t.data_ptr()
+        if low_bits & 15:
             self.kernel[grid](*tensors, *scalars, **self.constexprs)
             return
         device = torch.cuda.current_device()
-        key = (grid, scalars, tuple(dtypes), device)
+        key = (grid, scalars, tuple([t.dtype for t in tensors]), device)
         kept = self._kept.get(key)
         if kept is None:
             self._keep(key, grid, self.kernel[grid](*tensors, *scalars, **self.constexprs), len(tensors) + len(scalars))
             return
         compiled, grid3 = kept
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if _idle(enter) and _idle(leave):
+        runtime = knobs.runtime
+        if _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook):
             # What `compiled[grid3]` does, minus the launch metadata that only hooks read.
             compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function,
                          compiled.packed_metadata, None, None, None, *tensors, *scalars, *self._tail)

@@ -92,13 +92,16 @@ def rotate_query(query: torch.Tensor, rotation: QueryRotation) -> torch.Tensor:
 
     ``rotation``: `query_rotation` of the query's dtype and device.
     """
-    t, hq, d = query.shape
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    out = torch.empty((t, hq, d), dtype=query.dtype, device=query.device)
+    t, hq, _ = query.shape
+    strides = query.stride()
+    if strides[-1] != 1:
+        query = query.contiguous()
+        strides = query.stride()
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if t == 0:
         return out
     n_rows = t * hq
     # Plain int division: `triton.cdiv` is a constexpr function in Triton 3.9, microseconds of host time.
     rotation.site((-(-n_rows // rotation.block_r),), (query, out, rotation.operand),
-                  (n_rows, hq, query.stride(0), query.stride(1), rotation.scale))
+                  (n_rows, hq, strides[0], strides[1], rotation.scale))
     return out
