@@ -96,7 +96,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         if signature is not None:
             _remember(_STORE_CHECKED, signature, lay)
     kp = params.resolve_user_params(p, lay.head_dim, dev, rotation, codebook)
-    _call(torch.ops.tq_torch.store_kv, ops.store_kv_impl, key, value, kv_cache, slot_mapping, p.name,
+    _call(ops.store_kv_op, ops.store_kv_impl, key, value, kv_cache, slot_mapping, p.name,
           kp.rotation, kp.midpoints)
     return kv_cache
 
@@ -228,25 +228,22 @@ def _paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, *,
     out = _check_out(query, out)
     if sinks is not None:
         sinks = sinks.contiguous()
-    if resolved is not None:  # not traced, default rotation and codebook (`_remembered_path`)
-        ops.paged_attention_impl(query, kv_cache, block_table, seq_lens, query_start_loc, out, sinks, None, None,
-                                 resolved.preset, resolved.scale, resolved.sliding_window,
-                                 resolved.logits_soft_cap, resolved.path, int(num_splits))
-        return out
-    d = query.shape[-1]
-    problem = dispatch.problem_for(query, kv_cache, block_table, preset=p.name, sliding_window=sliding_window)
-    resolved = _Resolved(dispatch.select_path(problem, path), p.name,
-                         float(1.0 / math.sqrt(d) if scale is None else scale), int(sliding_window or 0),
-                         float(logits_soft_cap or 0.0))
-    kp = params.resolve_user_params(p, d, dev, rotation, codebook)
-    if signature is not None:
-        # Every check above passed for this signature, and none of them reads
-        # a value that the signature leaves out.
-        _remember(_CHECKED, signature, resolved)
-    _call(torch.ops.tq_torch.paged_attention, ops.paged_attention_impl,
-          query, kv_cache, block_table, seq_lens, query_start_loc, out, sinks, kp.rotation, kp.centroids,
-          resolved.preset, resolved.scale, resolved.sliding_window, resolved.logits_soft_cap, resolved.path,
-          int(num_splits))
+    rot = cents = None  # a remembered signature has the default rotation and codebook (`_remembered_path`)
+    if resolved is None:
+        d = query.shape[-1]
+        problem = dispatch.problem_for(query, kv_cache, block_table, preset=p.name, sliding_window=sliding_window)
+        resolved = _Resolved(dispatch.select_path(problem, path), p.name,
+                             float(1.0 / math.sqrt(d) if scale is None else scale), int(sliding_window or 0),
+                             float(logits_soft_cap or 0.0))
+        kp = params.resolve_user_params(p, d, dev, rotation, codebook)
+        rot, cents = kp.rotation, kp.centroids
+        if signature is not None:
+            # Every check above passed for this signature, and none of them reads
+            # a value that the signature leaves out.
+            _remember(_CHECKED, signature, resolved)
+    _call(ops.paged_attention_op, ops.paged_attention_impl,
+          query, kv_cache, block_table, seq_lens, query_start_loc, out, sinks, rot, cents, resolved.preset,
+          resolved.scale, resolved.sliding_window, resolved.logits_soft_cap, resolved.path, int(num_splits))
     return out
 
 
