@@ -45,12 +45,12 @@ block_q, nr = gluon_decode.tile_shape(num_tokens=int(sys.argv[2]), num_seqs=1, g
 maxnreg = gluon_decode.MAXNREG if block_q == 1 else gluon_decode.MULTI_MAXNREG
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
         "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
+consts = dict(G=4, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=block_q == 1, HAS_SINKS=True, SPLITS_PAD=16)
 sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_BITS"] == 8 else "*i16", cb_ptr="*fp32",
            bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", part_acc_ptr="*fp32", part_m_ptr="*fp32",
-           part_l_ptr="*fp32", **{n: "i32" for n in ints}, qk_scale="fp32", max_seq_len="i32",
-           **{k: "constexpr" for k in ("G", *slot, "BLOCK_Q", "NR")})
-src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=dict(G=4, **slot, BLOCK_Q=block_q, NR=nr),
-                     attrs={})
+           part_l_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*fp32", ticket_ptr="*i32", **{n: "i32" for n in ints},
+           qk_scale="fp32", max_seq_len="i32", stride_ot="i32", stride_oh="i32", **{k: "constexpr" for k in consts})
+src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=consts, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg))))
 print(kernel.asm["ttgir"])
@@ -301,3 +301,52 @@ def test_gpu_fp8_keys_in_a_cache_off_4_bytes_take_the_triton_decode(monkeypatch)
     out = _run(built, kv_cache=shifted)
     assert counting.calls == 0
     check_against_reference(built, out)
+
+
+@pytest.mark.parametrize("preset,num_tokens,num_splits,fused", [
+    ("turboquant_4bit_nc", 8, 1, True), ("turboquant_4bit_nc", 8, 4, True), ("turboquant_k8v4", 8, 3, True),
+    ("turboquant_3bit_nc", 8, 3, True), ("turboquant_4bit_nc", 8, 5, False), ("turboquant_4bit_nc", 32, 3, False),
+    ("turboquant_k3v4_nc", 8, 3, False)],
+    ids=("step_1_split", "step_4_splits", "k8v4", "3bit_nc", "step_5_splits", "multi_token", "k3v4_nc"))
+def test_decode_steps_with_few_splits_merge_in_the_kernel(preset, num_tokens, num_splits, fused):
+    """The launch plan: decode steps (``T <= B``) with up to `FUSED_MERGE_MAX_SPLITS` splits are one
+    launch with a ticket counter per (row, kv head), for the slots of `MERGES_IN_KERNEL`; otherwise the
+    merge kernel follows."""
+    from tq_torch._src import config, gluon_decode
+
+    import tq_spec
+
+    fmt = config.format_constexprs(tq_spec.layout(preset, 128))
+    spec = gluon_decode.decode_spec(fmt, num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, num_seqs=8,
+                                    max_blocks=64, num_splits=num_splits, has_sinks=False)
+    assert (spec.merge is None) == fused
+    assert spec.tickets == (num_tokens * 8 if fused else 0)
+    assert spec.split.constexprs["FUSED_MERGE"] == fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ("turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"))
+@pytest.mark.parametrize("num_splits", (1, 3, 4))
+def test_gpu_gluon_decode_fused_merge_matches_the_merge_kernel(preset, num_splits, monkeypatch):
+    """The last split's merge (one launch) against the merge kernel over the same partials, with sinks, a
+    padding row and a row that sees no key; every ticket counter is zero again afterwards."""
+    from tq_torch._src import gluon_decode, ops
+
+    # T = B = 4 (decode steps): the 4th sequence has no query token, so row 3 is padding.
+    case = _decode_case("fused_merge", (700, 90, 2100, 33), 32, 8, q_lens=(1, 1, 1, 0), sinks=True)
+    built = build(case, preset, dev=torch.device("cuda"))
+    padded = dataclasses.replace(built, query=torch.cat([built.query, torch.randn_like(built.query[:1])]))
+    fused = _run(padded, num_splits=num_splits)
+    torch.cuda.synchronize()
+    for buf in gluon_decode._TICKETS_KEPT:
+        assert not buf.any(), "a ticket counter was left non-zero"
+    monkeypatch.setattr(gluon_decode, "FUSED_MERGE", False)
+    ops._attention_setup.cache_clear()
+    try:
+        merged = _run(padded, num_splits=num_splits)
+    finally:
+        ops._attention_setup.cache_clear()
+    assert gluon_decode._TICKETS_KEPT, "the fused launch took no ticket counters"
+    assert torch.equal(fused[-1], torch.zeros_like(fused[-1]))  # the padding row
+    torch.testing.assert_close(fused, merged, rtol=2e-2, atol=2e-3)  # one bf16 rounding apart at most
+    check_against_reference(built, fused[:-1])

@@ -39,7 +39,10 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
   ones dot of the squares.
 - The next page's words are loaded before the current page is used (distance 1, in registers), and
   the block ids one page further ahead.
-- The four warps merge once at the end; the splits' partials go to `decode._decode_merge_kernel`.
+- The four warps merge once at the end. A decode step with at most `FUSED_MERGE_MAX_SPLITS` splits
+  (4bit_nc, 3bit_nc and k8v4 slots) is one launch: the split that finishes last, by an atomic ticket
+  per (row, kv head), merges every split's partials (`_merge_splits`). Otherwise the partials go to
+  `decode._decode_merge_kernel`.
 
 Every layout change between the loads and the dots is checked trivial at compile time
 (``convert_layout(assert_trivial=True)``).
@@ -48,7 +51,7 @@ Every layout change between the loads and the dots is checked trivial at compile
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton.language as tl
@@ -62,7 +65,7 @@ from . import config
 from .decode import _decode_merge_kernel
 from .kernel_math import _LANE_ENTRY_BF16_SQUARES
 from .kv_tiles import LOG2E
-from .launcher import kernel_site
+from .launcher import current_stream, kernel_site
 
 PAGE_SIZE = 16
 HEAD_DIM = 128
@@ -146,6 +149,11 @@ _FP8_ASM = gl.constexpr(
 _LOAD_U16 = gl.constexpr("ld.global.u16 $0, [$1];")
 # One 8 x 8 bf16 fragment transposed across the warp (a pair of elements per thread).
 _TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+# A fence at GPU scope by each thread (the value passes through): the split's partial stores before
+# the ticket, the other splits' partials after it (`_merge_splits`).
+_FENCE_GPU = gl.constexpr("fence.acq_rel.gpu; mov.b32 $0, $1;")
+# The CTA barrier: `thread_barrier` in Triton 3.6, `barrier` from 3.7 on.
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.constexpr_function
@@ -418,12 +426,14 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
 
 @gluon.jit
 def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr,
-                        part_m_ptr, part_l_ptr, stride_qt, stride_qh, stride_bt, stride_cn, stride_cp, stride_ch,
-                        k_stride_cn, k_stride_cp, k_stride_ch, num_blocks, num_splits, num_q_heads, num_seqs,
-                        num_tokens, qk_scale, max_seq_len, G: gl.constexpr, KEY_BITS: gl.constexpr,
+                        part_m_ptr, part_l_ptr, out_ptr, sinks_ptr, ticket_ptr, stride_qt, stride_qh, stride_bt,
+                        stride_cn, stride_cp, stride_ch, k_stride_cn, k_stride_cp, k_stride_ch, num_blocks,
+                        num_splits, num_q_heads, num_seqs, num_tokens, qk_scale, max_seq_len, stride_ot, stride_oh,
+                        G: gl.constexpr, KEY_BITS: gl.constexpr,
                         KEY_NORM_WORD: gl.constexpr, VALUE_BITS: gl.constexpr, VALUE_WORD: gl.constexpr,
                         SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr,
-                        BLOCK_Q: gl.constexpr, NR: gl.constexpr):
+                        BLOCK_Q: gl.constexpr, NR: gl.constexpr, FUSED_MERGE: gl.constexpr,
+                        HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr):
     """One (tile of query rows, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
@@ -438,6 +448,12 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     steps): program ``x`` takes row ``x``, whose sequence is `_token_owner`'s. ``BLOCK_Q > 1`` (several
     query tokens per sequence): tile ids as the Triton kernels number them (`_find_tile`), each column
     masked causally.
+
+    ``FUSED_MERGE`` (``BLOCK_Q`` 1 only): the split of a (row, kv head) that finishes last merges all of
+    them into ``out`` (`_merge_splits`), counted in ``ticket_ptr`` (int32 ``[T * Hkv]``, zero between
+    launches: the last split sets it back to 0), so a decode step is one launch. ``sinks_ptr``: fp32
+    ``[Hq]`` (``HAS_SINKS``); ``out_ptr``: ``[T, Hq, 128]`` bf16 with strides ``stride_ot``,
+    ``stride_oh``. Otherwise those three are not read and `decode._decode_merge_kernel` merges.
     """
     pid = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -615,6 +631,88 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     part_r = (r_row * num_q_heads + kv_head * G + r_head) * num_splits + split
     gl.store(part_m_ptr + part_r, m_all, mask=r_written)
     gl.store(part_l_ptr + part_r, l_all, mask=r_written)
+    if FUSED_MERGE:
+        # Every thread's partials are visible at GPU scope before one thread takes this split's ticket; the
+        # split that takes the last one has every split's partials to read.
+        _fence_gpu(gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0])))
+        _cta_barrier()
+        ticket = ticket_ptr + (pid * gl.num_programs(1) + kv_head)
+        if gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            _fence_gpu(gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0])))
+            _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, qsl_ptr, ticket, pid, kv_head,
+                          stride_ot, stride_oh, num_q_heads, num_splits, num_seqs, G, NR, NW, HAS_SINKS, SPLITS_PAD)
+
+
+@gluon.jit
+def _fence_gpu(x):
+    """``fence.acq_rel.gpu`` in every thread holding an element of ``x``."""
+    return gl.inline_asm_elementwise(_FENCE_GPU, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit(noinline=True)
+def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, qsl_ptr, ticket, row, kv_head,
+                  stride_ot, stride_oh, num_q_heads, num_splits, num_seqs, G: gl.constexpr, NR: gl.constexpr,
+                  NW: gl.constexpr, HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr):
+    """Query row ``row``'s ``G`` heads of ``kv_head``: the splits' partials merged into ``out`` (bf16), as
+    `decode._decode_merge_kernel` merges them (sinks in the denominator, a NaN denominator gives NaN,
+    zeros for rows outside ``[query_start_loc[0], query_start_loc[B])`` and rows that saw no key). Sets
+    the ``ticket`` counter back to 0 for the next launch (and CUDA-graph replays).
+
+    Partials are read from L2 (``.cg``: other SMs wrote them), every split's m at once, then the
+    accumulators ``CH`` splits per load round (one round per split left the last split's program
+    waiting on 2 x 16 round trips at B = 1, slower than the merge kernel it replaces). Not inlined:
+    inlined, its index math shared registers with the key loop, which then spilled."""
+    CH: gl.constexpr = 4 if SPLITS_PAD >= 4 else SPLITS_PAD
+    # [split, column, dim]: a thread holds CH splits x 4 dims of NR // NW columns.
+    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[CH, 1, 4], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[1, NW, 1], order=[2, 1, 0])
+    SC: gl.constexpr = gl.SliceLayout(2, L3)  # [split, column]
+    COL: gl.constexpr = gl.SliceLayout(0, SC)  # [column]
+    OL: gl.constexpr = gl.SliceLayout(0, L3)  # [column, dim]
+    # [split, column] for the m of every split (splits along lanes and warps)
+    MS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // NR, NR],
+                                        warps_per_cta=[NW, 1], order=[1, 0])
+    real = (row >= gl.load(qsl_ptr)) & (row < gl.load(qsl_ptr + num_seqs))
+    n_live = gl.where(real, num_splits, 0)  # splits to read (none for rows outside the batch)
+
+    sm = gl.arange(0, SPLITS_PAD, layout=gl.SliceLayout(1, MS))
+    rm = gl.arange(0, NR, layout=gl.SliceLayout(0, MS))
+    part_m = (row.to(gl.int64) * num_q_heads + kv_head * G + rm) * num_splits
+    m = gl.load(part_m_ptr + part_m[None, :] + sm[:, None], mask=(sm < n_live)[:, None] & (rm < G)[None, :],
+                other=float("-inf"), cache_modifier=".cg")
+    m_all = gl.convert_layout(gl.max(m, axis=0), COL)
+
+    r = gl.arange(0, NR, layout=COL)
+    head = kv_head * G + r
+    if HAS_SINKS:
+        sink = gl.load(sinks_ptr + head, mask=r < G, other=0.0) * LOG2E
+        m_all = gl.maximum(m_all, sink)
+    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+    part = (row.to(gl.int64) * num_q_heads + head) * num_splits
+    c = gl.arange(0, CH, layout=gl.SliceLayout(1, SC))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(0, OL))
+    denom = gl.zeros([NR], gl.float32, COL)
+    o = gl.zeros([NR, 128], gl.float32, OL)
+    for s0 in range(0, num_splits, CH):
+        live = ((s0 + c) < n_live)[:, None] & (r < G)[None, :]
+        idx = part[None, :] + (s0 + c)[:, None]  # [CH, NR]
+        # Empty splits have m = -inf: weight exactly 0, they merge as nothing.
+        w = gl.exp2(gl.load(part_m_ptr + idx, mask=live, other=float("-inf"), cache_modifier=".cg")
+                    - m_safe[None, :])
+        denom += gl.sum(w * gl.load(part_l_ptr + idx, mask=live, other=0.0, cache_modifier=".cg"), axis=0)
+        acc = gl.load(part_acc_ptr + gl.expand_dims(idx * 128, 2) + gl.expand_dims(gl.expand_dims(d, 0), 0),
+                      mask=gl.expand_dims(live, 2), other=0.0, cache_modifier=".cg")
+        o += gl.sum(gl.expand_dims(w, 2) * acc, axis=0)
+    if HAS_SINKS:
+        denom += gl.exp2(sink - m_safe)
+    # `!= 0`, not `> 0`: a NaN denominator (NaN query or sink) must give NaN.
+    denom_v = gl.expand_dims(gl.convert_layout(denom, gl.SliceLayout(1, OL)), 1) + gl.zeros([NR, 128], gl.float32, OL)
+    o = gl.where(denom_v != 0.0, gl.div_rn(o, gl.where(denom_v != 0.0, denom_v, 1.0)), 0.0)
+    o = gl.where((gl.zeros([NR, 128], gl.int32, OL) + real.to(gl.int32)) != 0, o, 0.0)
+    ro = gl.arange(0, NR, layout=gl.SliceLayout(1, OL))
+    gl.store(out_ptr + row.to(gl.int64) * stride_ot + gl.expand_dims((kv_head * G + ro).to(gl.int64) * stride_oh, 1)
+             + gl.expand_dims(d, 0), o.to(gl.bfloat16), mask=gl.expand_dims(ro < G, 1))
+    gl.store(ticket, 0)
 
 
 def _format_key(fmt: dict) -> tuple:
@@ -646,6 +744,19 @@ for _preset in PRESETS:
         ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2, UNROLL=_UNROLL[_preset])
 # Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
 ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
+# Process switch (``TQ_GLUON_FUSED_MERGE=0``): decode steps then merge their splits in
+# `decode._decode_merge_kernel` (a second launch), as tiles of several tokens always do.
+FUSED_MERGE = os.environ.get("TQ_GLUON_FUSED_MERGE", "1") != "0"
+# Decode steps merge in the kernel up to this many splits (one round of loads in `_merge_splits`).
+# H200, parity.bench decode rows, merge kernel / fused, two runs each (ms): B=32 x 8k (3 splits)
+# 4bit_nc 0.1892, 0.1902 / 0.1852, 0.1848 and k8v4 0.1668, 0.1669 / 0.1646, 0.1653; but GQA 8
+# (6 splits) 0.1115, 0.1103 / 0.1200, 0.1200 and B=1 x 4k (16 splits) CUDA graph 0.0127, 0.0126 /
+# 0.0143, 0.0143: with more rounds the last split's merge outlasts the merge kernel.
+FUSED_MERGE_MAX_SPLITS = 4
+# The slots whose decode steps merge in the kernel. Not k3v4_nc's: with the merge's call in the kernel its
+# key loop spills (3 local loads and stores per trip in the Triton 3.6 sm_90a build; none before), and
+# its B=32 x 8k row went 0.1763 -> 0.1868 ms (3bit_nc 0.1812 -> 0.1806, no spill).
+MERGES_IN_KERNEL = tuple(_slot_format(p) for p in ("turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"))
 
 
 def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, num_tokens: int, num_seqs: int,
@@ -684,7 +795,7 @@ def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
     """Whether this call's cache can be read as the spec's key words: fp8 keys are read as int32 words,
     so the cache's address and strides must be multiples of 4 bytes (a per-call fact; the decode
     path takes the Triton kernels otherwise)."""
-    if spec[-1]["KEY_BITS"] != 8:
+    if spec.slot["KEY_BITS"] != 8:
         return True
     return not kv_cache.data_ptr() % 4 and all(st % 4 == 0 for st in kv_cache.stride()[:-1])
 
@@ -712,6 +823,22 @@ def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs
     return splits
 
 
+class DecodeSpec(NamedTuple):
+    """The static part of a launch (`decode_spec`)."""
+
+    split: object  # `KernelSite` of `gluon_decode_kernel`
+    grid: tuple
+    merge: Optional[object]  # `KernelSite` of `decode._decode_merge_kernel`; None: merged in the kernel
+    merge_grid: tuple
+    part_numel: int  # fp32 elements of the three partial buffers
+    part_sizes: tuple  # acc, m, l
+    num_splits: int
+    num_seqs: int
+    max_seq_len: int  # what the block table can address
+    slot: dict  # the slot format's constexprs (`_FORMATS`)
+    tickets: int  # counters of the fused merge (0: none)
+
+
 def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int,
                 max_blocks: int, num_splits: int, has_sinks: bool) -> tuple:
     """The static part of a launch (kernel + merge sites, buffer sizes), for `launch_decode_spec`.
@@ -723,21 +850,48 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
     group = num_q_heads // num_kv_heads
     block_q, nr = tile_shape(num_tokens=num_tokens, num_seqs=num_seqs, group=group)
     maxnreg = MAXNREG if block_q == 1 else MULTI_MAXNREG
-    split = kernel_site(gluon_decode_kernel, dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, num_warps=4,
+    # Decode steps with few splits merge in the kernel (the last split of each row); tiles of several
+    # tokens keep the merge kernel, which also zeroes the padding rows that no tile reaches.
+    fused = (FUSED_MERGE and block_q == 1 and num_splits <= FUSED_MERGE_MAX_SPLITS
+             and _format_key(fmt) in MERGES_IN_KERNEL)
+    splits_pad = max(2, 1 << (num_splits - 1).bit_length())
+    split = kernel_site(gluon_decode_kernel, dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused,
+                                                  HAS_SINKS=has_sinks, SPLITS_PAD=splits_pad, num_warps=4,
                                                   **({} if maxnreg is None else dict(maxnreg=maxnreg))))
     # Tile ids as `attention_kernel.tiles_spec` numbers them: sequence b's from s[b] // BLOCK_Q + b.
     tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-    merge = kernel_site(_decode_merge_kernel, dict(
-        SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), D=HEAD_DIM, D_PAD=HEAD_DIM, HAS_SINKS=has_sinks,
-        OUT_DTYPE=tl.bfloat16, INTERPRET=False, num_warps=4))
-    return (split, (tiles, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads), rows * (HEAD_DIM + 2),
-            (rows * HEAD_DIM, rows, rows), num_splits, num_seqs, max_blocks * PAGE_SIZE, slot)
+    merge = None if fused else kernel_site(_decode_merge_kernel, dict(
+        SPLITS_PAD=splits_pad, D=HEAD_DIM, D_PAD=HEAD_DIM, HAS_SINKS=has_sinks, OUT_DTYPE=tl.bfloat16,
+        INTERPRET=False, num_warps=4))
+    return DecodeSpec(split, (tiles, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads),
+                      rows * (HEAD_DIM + 2), (rows * HEAD_DIM, rows, rows), num_splits, num_seqs,
+                      max_blocks * PAGE_SIZE, slot, tiles * num_kv_heads if fused else 0)
+
+
+# Ticket counters of the fused merge, per (device index, CUDA stream): int32, zero between launches.
+# Per stream, so that launches running at once on two streams never share a counter; grown by
+# replacement, and every buffer is kept, since CUDA graphs hold the address they were captured with.
+_TICKETS: dict = {}
+_TICKETS_KEPT: list = []
+
+
+def ticket_counters(device_index: int, numel: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``numel`` counters for launches on the current stream of the
+    device ``device_index``."""
+    key = (device_index, current_stream(device_index))
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.zeros(max(numel, 4096), dtype=torch.int32, device=torch.device("cuda", device_index))
+        _TICKETS_KEPT.append(buf)
+        _TICKETS[key] = buf
+    return buf
 
 
 def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
                        centroids: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], sm_scale: float) -> None:
-    """Decode into ``out`` ``[T, Hq, 128]`` bf16: the kernel, then the merge.
+    """Decode into ``out`` ``[T, Hq, 128]`` bf16: the kernel, then the merge kernel unless the spec
+    merges in the kernel (`DecodeSpec.tickets`).
 
     ``q``: the query ``[T, Hq, 128]`` bf16, last dim contiguous (rotated by `rotation.rotate_query`
     for mse keys); ``cache_i16``: the cache ``uint8[N, 16, Hkv, slot_bytes]`` viewed as int16 (for
@@ -747,7 +901,7 @@ def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i1
     ``[Hq]``. Any metadata values are safe (`gluon_decode_kernel`); rows past
     ``query_start_loc[B]`` come out zero.
     """
-    split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len, slot = spec
+    split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len, slot, tickets = spec
     t, hq, _ = q.shape
     parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
     part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
@@ -755,8 +909,13 @@ def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i1
     kcache = cache_i16.view(torch.int32) if slot["KEY_BITS"] == 8 else cache_i16
     ks = kcache.stride()
     qs, outs = q.stride(), out.stride()
-    split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l),
+    sinks = part_m if sinks is None else sinks  # (not read without sinks)
+    counters = ticket_counters(cache_i16.get_device(), tickets) if tickets else part_m
+    split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l,
+                 out, sinks, counters),
           (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
-           cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len))
-    merge(merge_grid, (part_acc, part_m, part_l, part_m if sinks is None else sinks, out, query_start_loc),
-          (outs[0], outs[1], hq, splits, num_seqs))
+           cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len,
+           outs[0], outs[1]))
+    if merge is not None:
+        merge(merge_grid, (part_acc, part_m, part_l, sinks, out, query_start_loc), (outs[0], outs[1], hq, splits,
+                                                                                    num_seqs))

@@ -79,7 +79,7 @@ class KernelSite:
         runtime = knobs.runtime
         if _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook):
             # What `compiled[grid3]` does, minus the launch metadata that only hooks read.
-            compiled.run(grid3[0], grid3[1], grid3[2], _current_stream(device), compiled.function,
+            compiled.run(grid3[0], grid3[1], grid3[2], current_stream(device), compiled.function,
                          compiled.packed_metadata, None, None, None, *tensors, *scalars, *self._tail)
         else:  # a profiler's hooks: Triton's runner builds their metadata
             compiled[grid3](*tensors, *scalars, *self._tail)
@@ -117,7 +117,8 @@ def _idle(hook) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
-def _current_stream(device: int) -> int:
+def current_stream(device: int) -> int:
+    """The handle of device ``device``'s current CUDA stream (what a launch goes to)."""
     return driver.active.get_current_stream(device)
 
 
