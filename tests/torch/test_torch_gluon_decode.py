@@ -350,3 +350,54 @@ def test_gpu_gluon_decode_fused_merge_matches_the_merge_kernel(preset, num_split
     assert torch.equal(fused[-1], torch.zeros_like(fused[-1]))  # the padding row
     torch.testing.assert_close(fused, merged, rtol=2e-2, atol=2e-3)  # one bf16 rounding apart at most
     check_against_reference(built, fused[:-1])
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_decode_tickets_made_during_a_capture_are_zeroed_before_use(monkeypatch):
+    """A ticket buffer first made inside a CUDA-graph capture is zeroed by a memset that only that graph
+    replays. A second graph captured over the same buffer and replayed first must still find its counters
+    zero (here the buffer is filled with garbage before each replay)."""
+    from tq_torch._src import gluon_decode
+
+    monkeypatch.setattr(gluon_decode, "_TICKETS", {})
+    built = build(GUARD_CASE, "turboquant_4bit_nc", dev=torch.device("cuda"))
+    _run(built, num_splits=3)  # compiles outside the captures (on another stream than theirs)
+    torch.cuda.synchronize()
+    graphs, outs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
+    for graph in graphs:
+        with torch.cuda.graph(graph):
+            outs.append(_run(built, num_splits=3))
+    born_in_capture = [entry[0] for entry in gluon_decode._TICKETS.values() if not entry[1]]
+    assert len(born_in_capture) == 1
+    for i in (1, 0):  # the later graph first
+        born_in_capture[0].fill_(5)
+        outs[i].fill_(float("nan"))
+        graphs[i].replay()
+        torch.cuda.synchronize()
+        check_against_reference(built, outs[i])
+
+
+def test_ticket_counters_are_zeroed_until_an_eager_launch_has_zeroed_them(monkeypatch):
+    """`gluon_decode.ticket_counters`' bookkeeping (the CUDA calls stubbed: CPU buffers, one stream). A
+    buffer made during a capture is zeroed again before every use until one outside a capture; a buffer
+    made or zeroed outside a capture is trusted (each launch leaves it zero); a larger request replaces
+    the buffer and keeps the old one (graphs hold its address)."""
+    from tq_torch._src import gluon_decode
+
+    capturing = [True]
+    monkeypatch.setattr(gluon_decode, "current_stream", lambda index: 7)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(gluon_decode, "_TICKETS", {})
+    monkeypatch.setattr(gluon_decode, "_TICKETS_KEPT", [])
+    cpu = torch.device("cpu")
+    first = gluon_decode.ticket_counters(cpu, 10)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
+    for still_capturing in (True, False):  # a later capture, then an eager launch: zeroed both times
+        capturing[0] = still_capturing
+        first.fill_(5)
+        assert gluon_decode.ticket_counters(cpu, 10) is first and not first.any()
+    first.fill_(5)
+    assert gluon_decode.ticket_counters(cpu, 10) is first and bool((first == 5).all())  # trusted now
+    bigger = gluon_decode.ticket_counters(cpu, first.numel() + 1)
+    assert bigger.numel() > first.numel() and not bigger.any()
+    assert gluon_decode._TICKETS_KEPT == [first, bigger]

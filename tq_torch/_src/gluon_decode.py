@@ -868,23 +868,31 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
                       max_blocks * PAGE_SIZE, slot, tiles * num_kv_heads if fused else 0)
 
 
-# Ticket counters of the fused merge, per (device index, CUDA stream): int32, zero between launches.
-# Per stream, so that launches running at once on two streams never share a counter; grown by
-# replacement, and every buffer is kept, since CUDA graphs hold the address they were captured with.
+# Ticket counters of the fused merge, per (device index, CUDA stream): ``[int32 buffer, clean]``. Per
+# stream, so that launches running at once on two streams never share a counter; grown by replacement,
+# and every buffer is kept, since CUDA graphs hold the address they were captured with.
 _TICKETS: dict = {}
 _TICKETS_KEPT: list = []
 
 
-def ticket_counters(device_index: int, numel: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``numel`` counters for launches on the current stream of the
-    device ``device_index``."""
-    key = (device_index, current_stream(device_index))
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.zeros(max(numel, 4096), dtype=torch.int32, device=torch.device("cuda", device_index))
+def ticket_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """An int32 buffer of at least ``numel`` counters on ``device``, all zero when the next launch on its
+    current stream runs (each launch leaves them zero).
+
+    A buffer made during a CUDA-graph capture is zeroed by a memset that only that graph's replays run,
+    so until an eager launch has zeroed it, every later launch (captured or not) zeroes it first: a
+    graph captured after the first may be replayed before it.
+    """
+    key = (device.index, current_stream(device.index))
+    entry = _TICKETS.get(key)
+    if entry is None or entry[0].numel() < numel:
+        buf = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
         _TICKETS_KEPT.append(buf)
-        _TICKETS[key] = buf
-    return buf
+        entry = _TICKETS[key] = [buf, not torch.cuda.is_current_stream_capturing()]
+    elif not entry[1]:
+        entry[0].zero_()
+        entry[1] = not torch.cuda.is_current_stream_capturing()
+    return entry[0]
 
 
 def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
@@ -910,7 +918,7 @@ def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i1
     ks = kcache.stride()
     qs, outs = q.stride(), out.stride()
     sinks = part_m if sinks is None else sinks  # (not read without sinks)
-    counters = ticket_counters(cache_i16.get_device(), tickets) if tickets else part_m
+    counters = ticket_counters(q.device, tickets) if tickets else part_m
     split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l,
                  out, sinks, counters),
           (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
