@@ -791,7 +791,7 @@ def tile_shape(*, num_tokens: int, num_seqs: int, group: int) -> tuple:
     return (1, 8) if num_tokens <= num_seqs else (tq_spec.dispatch.decode_tile_tokens(group), 16)
 
 
-def aligned(spec: tuple, kv_cache: torch.Tensor) -> bool:
+def aligned(spec: DecodeSpec, kv_cache: torch.Tensor) -> bool:
     """Whether this call's cache can be read as the spec's key words: fp8 keys are read as int32 words,
     so the cache's address and strides must be multiples of 4 bytes (a per-call fact; the decode
     path takes the Triton kernels otherwise)."""
@@ -840,7 +840,7 @@ class DecodeSpec(NamedTuple):
 
 
 def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int,
-                max_blocks: int, num_splits: int, has_sinks: bool) -> tuple:
+                max_blocks: int, num_splits: int, has_sinks: bool) -> DecodeSpec:
     """The static part of a launch (kernel + merge sites, buffer sizes), for `launch_decode_spec`.
 
     ``fmt``: `config.format_constexprs` of the cache's preset (one `ineligible` accepts).
@@ -895,7 +895,7 @@ def ticket_counters(device: torch.device, numel: int) -> torch.Tensor:
     return entry[0]
 
 
-def launch_decode_spec(spec: tuple, q: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
+def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
                        centroids: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], sm_scale: float) -> None:
     """Decode into ``out`` ``[T, Hq, 128]`` bf16: the kernel, then the merge kernel unless the spec
