@@ -45,11 +45,13 @@ block_q, nr = gluon_decode.tile_shape(num_tokens=int(sys.argv[2]), num_seqs=1, g
 maxnreg = gluon_decode.MAXNREG if block_q == 1 else gluon_decode.MULTI_MAXNREG
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
         "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
-consts = dict(G=4, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=block_q == 1, HAS_SINKS=True, SPLITS_PAD=16)
+consts = dict(G=4, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=block_q == 1, HAS_SINKS=True, SPLITS_PAD=16,
+              WIDE=sys.argv[3] == "wide")
 sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_BITS"] == 8 else "*i16", cb_ptr="*fp32",
            bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", part_acc_ptr="*fp32", part_m_ptr="*fp32",
            part_l_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*fp32", ticket_ptr="*i32", **{n: "i32" for n in ints},
-           qk_scale="fp32", max_seq_len="i32", stride_ot="i32", stride_oh="i32", **{k: "constexpr" for k in consts})
+           qk_scale="fp32", max_seq_len="i32", stride_ot="i32", stride_oh="i32", base_mod8="i32",
+           **{k: "constexpr" for k in consts})
 src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=consts, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg))))
@@ -60,12 +62,14 @@ print(kernel.asm["ttgir"])
 @pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3),
                                           ("turboquant_3bit_nc", 3), ("turboquant_k8v4", 2)])
 @pytest.mark.parametrize("q_len", (1, 4), ids=("decode_step", "multi_token"))
-def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots, q_len):
-    """A decode step (one query token per program, 8 columns) and several query tokens per sequence (16)."""
+@pytest.mark.parametrize("loads", ("wide", "narrow"))
+def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots, q_len, loads):
+    """A decode step (one query token per program, 8 columns) and several query tokens per sequence (16), with
+    wide loads of 4-bit codes (`gluon_decode.wide_loads`) and without."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, preset, str(q_len)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, preset, str(q_len), loads], env=env, capture_output=True,
                           text=True, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
@@ -301,6 +305,63 @@ def test_gpu_fp8_keys_in_a_cache_off_4_bytes_take_the_triton_decode(monkeypatch)
     out = _run(built, kv_cache=shifted)
     assert counting.calls == 0
     check_against_reference(built, out)
+
+
+@pytest.mark.parametrize("preset,num_tokens,wide", [
+    ("turboquant_k8v4", 8, True), ("turboquant_k8v4", 32, False), ("turboquant_4bit_nc", 8, False),
+    ("turboquant_4bit_nc", 32, True), ("turboquant_k3v4_nc", 8, False), ("turboquant_3bit_nc", 32, False)])
+def test_wide_loads_where_they_won_and_where_the_strides_allow(preset, num_tokens, wide):
+    """Decode steps of k8v4 and tiles of several 4bit_nc tokens read 4-bit codes by 8-byte loads (`WIDE_SLOTS`);
+    a call whose cache strides are not multiples of 8 bytes (say 1 or 2 kv heads of 134-byte slots) launches
+    the narrow build."""
+    from tq_torch._src import config, gluon_decode
+
+    import tq_spec
+
+    fmt = config.format_constexprs(tq_spec.layout(preset, 128))
+    spec = gluon_decode.decode_spec(fmt, num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, num_seqs=8,
+                                    max_blocks=64, num_splits=2, has_sinks=False)
+    assert spec.split.constexprs["WIDE"] == wide
+    assert not spec.split_narrow.constexprs["WIDE"]
+    slot_bytes = tq_spec.layout(preset, 128).slot_bytes
+    for hkv in (1, 2, 4, 8):
+        strides = (16 * hkv * slot_bytes // 2, hkv * slot_bytes // 2, slot_bytes // 2, 1)  # the int16 view's
+        assert gluon_decode.wide_loads(strides) == (hkv * slot_bytes % 8 == 0), (hkv, slot_bytes)
+    assert not gluon_decode.wide_loads((16 * 8 * 67, 8 * 67 + 2, 67, 1))  # a padded slot stride
+
+
+WIDE_CASES = (GPU_CASES[0], GPU_CASES[1], GPU_CASES[5], GPU_CASES[8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("case", WIDE_CASES, ids=[c.name for c in WIDE_CASES])
+@pytest.mark.parametrize("offset", (0, 2, 4, 6))
+def test_gpu_gluon_decode_wide_loads_match_reference(preset, case, offset, monkeypatch):
+    """Wide loads forced on for every slot and tile kind, over a cache at each address mod 8 (so its kv heads'
+    slots start at every offset the rotation handles): the float64 reference's answer. 1 kv head (strides not
+    multiples of 8 bytes) takes the narrow build; fp8 keys at an address 2 mod 4 take the Triton kernels."""
+    from tq_torch._src import config, gluon_decode, ops
+
+    import tq_spec
+
+    fmt = gluon_decode._format_key(config.format_constexprs(tq_spec.layout(preset, 128)))
+    monkeypatch.setattr(gluon_decode, "WIDE_SLOTS", frozenset({(fmt, False), (fmt, True)}))
+    ops._attention_setup.cache_clear()
+    try:
+        built = build(case, preset, dev=torch.device("cuda"))
+        cache = built.kv_cache
+        backing = torch.empty(cache.numel() + 8, dtype=torch.uint8, device=cache.device)
+        start = (offset - backing.data_ptr()) % 8
+        shifted = backing[start:start + cache.numel()].view(cache.shape)
+        shifted.copy_(cache)
+        assert shifted.data_ptr() % 8 == offset
+        counting = _Counting(monkeypatch)
+        out = _run(built, kv_cache=shifted)
+        assert counting.calls == (0 if preset == "turboquant_k8v4" and offset % 4 else 1)
+        check_against_reference(built, out)
+    finally:
+        ops._attention_setup.cache_clear()
 
 
 @pytest.mark.parametrize("preset,num_tokens,num_splits,fused", [

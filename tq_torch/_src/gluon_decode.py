@@ -37,6 +37,12 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
 - Centroids come from a warp shuffle (lane ``l`` holds entry ``l % 2**bits`` with its fp16 square, read
   from the codebook in the kernel as `kernel_math.table_lookup_with_squares` does); ``||c||^2`` from a
   ones dot of the squares.
+- Wide loads (``WIDE``, where `WIDE_SLOTS` measured a win and the strides allow, `wide_loads`): each 16-bit
+  load above serves 8 keys, so L1 looks up about 8 lines per load (an H200 profile of the 4bit_nc decode:
+  the L1 data pipe 73-78 % busy, long-scoreboard waits the first stall). Instead a lane reads the bytes it
+  holds of a key (16 for 4-bit keys, 8 for 4-bit values) as 8-byte loads at aligned addresses, rotated by
+  the slots' offset mod 8, lane 0 taking the bytes past the rotation from one more load
+  (`_wide_key_indices`); the query's dims and the output's rows follow the rotation.
 - The next page's words are loaded before the current page is used (distance 1, in registers), and
   the block ids one page further ahead.
 - The four warps merge once at the end. A decode step with at most `FUSED_MERGE_MAX_SPLITS` splits
@@ -131,6 +137,47 @@ def _value_codes_asm(bits: int) -> str:
 
 
 _V4_ASM = gl.constexpr(_value_codes_asm(4))
+
+
+def _key_lookup8_asm() -> str:
+    """`_key_lookup_asm` for a 32-bit word of eight 4-bit key codes ($8; 8 copies in $8..$15) and this lane's
+    entry ($16..$23) -> $0..$3: bf16 centroid pairs of codes (0, 1) .. (6, 7); $4..$7: their fp16 squares."""
+    return ("{ .reg .b32 c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7; "
+            + "".join(f"shr.b32 c{k}, $8, {4 * k}; " for k in range(1, 8))
+            + "shfl.sync.idx.b32 e0, $16, $8, 0x1f, 0xffffffff; "
+            + "".join(f"shfl.sync.idx.b32 e{k}, $16, c{k}, 0x1f, 0xffffffff; " for k in range(1, 8))
+            + "".join(f"prmt.b32 ${p}, e{2 * p}, e{2 * p + 1}, 0x5410; " for p in range(4))
+            + "".join(f"prmt.b32 ${4 + p}, e{2 * p}, e{2 * p + 1}, 0x7632; " for p in range(4)) + "}")
+
+
+def _value_words8_asm() -> str:
+    """`_value_codes_asm` (4 bits) for two keys' 32-bit words of eight value codes ($8, $9; 16 inputs, the
+    rest copies) -> eight bf16 pairs (128 + code k of the first key, of the second), k = 0..7."""
+    body = ""
+    for half, sel in ((0, "0x5410"), (1, "0x7632")):
+        body += f"prmt.b32 t, $8, $9, {sel}; and.b32 u, t, 0x000F000F; or.b32 ${4 * half}, u, 0x43004300; "
+        body += "".join(f"shr.b32 u, t, {4 * j}; and.b32 u, u, 0x000F000F; or.b32 ${4 * half + j}, u, 0x43004300; "
+                        for j in (1, 2, 3))
+    return "{ .reg .b32 t, u; " + body + "}"
+
+
+_K4_WIDE_ASM = gl.constexpr(_key_lookup8_asm())
+_V4_WIDE_ASM = gl.constexpr(_value_words8_asm())
+_WIDE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 16))
+# Wide loads of a lane's rotated window (`_wide_key_indices`): 8-byte loads at 8-byte aligned addresses, and
+# where the first selector $8 takes any byte from them (lane 0, slots not 8-byte aligned) the 8 bytes 64
+# bytes further, whose first bytes replace the window's by `prmt` with the selectors $8.. (`_selectors`).
+# Keys: one lane's 16 bytes of a key from $4 -> $0..$3 ($5..$7: copies). Values: two keys' 8 bytes each,
+# $4 -> $0, $2 and $5 -> $1, $3 ($6, $7: copies).
+_LOAD_KEY_WINDOW = gl.constexpr(
+    "{ .reg .pred p; .reg .b32 x0, x1; setp.ne.b32 p, $8, 0x3210; ld.global.v2.b32 {$0, $1}, [$4]; "
+    "ld.global.v2.b32 {$2, $3}, [$4+8]; @p ld.global.v2.b32 {x0, x1}, [$4+64]; "
+    "prmt.b32 $0, $0, x0, $8; prmt.b32 $1, $1, x1, $9; }")
+_LOAD_VALUE_WINDOWS = gl.constexpr(
+    "{ .reg .pred p; .reg .b32 x0, x1, x2, x3; setp.ne.b32 p, $8, 0x3210; ld.global.v2.b32 {$0, $2}, [$4]; "
+    "ld.global.v2.b32 {$1, $3}, [$5]; @p ld.global.v2.b32 {x0, x2}, [$4+64]; @p ld.global.v2.b32 {x1, x3}, [$5+64]; "
+    "prmt.b32 $0, $0, x0, $8; prmt.b32 $1, $1, x1, $9; prmt.b32 $2, $2, x2, $10; prmt.b32 $3, $3, x3, $11; }")
+_WINDOW_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["l"] * 4 + ["r"] * 4))
 _V3_ASM = gl.constexpr(_value_codes_asm(3))
 # Two keys' 48 bits of 3-bit value codes (int16 words 0, 1, 2, 2 of each, key-interleaved in $8..$15)
 # -> their four fields each, key-interleaved ($0..$7).
@@ -180,10 +227,26 @@ def _page_base(blk, num_blocks, stride_cn, head_off):
 
 
 @gluon.jit
-def _page_blocks(bt_row, page0, page_hi, k_w5, v_w6, sk_w):
+def _page_blocks(bt_row, page0, page_hi, k_w, v_w, sk_w):
     """Block ids of page ``page0 + w`` in the layouts of `_load_page`'s three loads."""
-    return (_block_ids(bt_row, page0 + k_w5, page_hi), _block_ids(bt_row, page0 + v_w6, page_hi),
+    return (_block_ids(bt_row, page0 + k_w, page_hi), _block_ids(bt_row, page0 + v_w, page_hi),
             _block_ids(bt_row, page0 + sk_w[:, None], page_hi))
+
+
+@gluon.jit
+def _selectors(a, p0, lane0):
+    """`prmt` selectors of the wide loads (`_LOAD_KEY_WINDOW`): in ``lane0`` lanes the register bytes at window
+    positions ``p0 .. p0 + 3`` below ``a`` come from the extra bytes, every other byte from the window."""
+    n_e = _clamp(a - p0, 0, 4)
+    return gl.where(lane0, 0x3210 + (0x4444 & ((1 << (4 * n_e)) - 1)), 0x3210)
+
+
+@gluon.jit
+def _load_windows(ASM: gl.constexpr, ptrs, sel):
+    """`_LOAD_KEY_WINDOW` or `_LOAD_VALUE_WINDOWS` at ``ptrs`` broadcast to the selectors' shape (the words'
+    shape, 4 per thread in the asm's order)."""
+    return gl.inline_asm_elementwise(ASM, _WINDOW_CONSTRAINTS, [gl.broadcast(ptrs, sel)[0], sel],
+                                     dtype=gl.int32, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -194,21 +257,34 @@ def _load_code_words(ptrs):
 
 @gluon.jit
 def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
-               k_stride_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w, sk_n, KEY_FP8: gl.constexpr,
-               KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr):
+               k_stride_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8: gl.constexpr,
+               KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr,
+               WIDE_K: gl.constexpr, WIDE_V: gl.constexpr):
     """Raw words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: key words
-    (``k_slot5 + k_word5``'s shape: int16 code words zero-extended to int32, or int32 words of four fp8
-    keys, from ``kcache_ptr``), V code words ``[w, h, t, e, g, i]`` (zero-extended), and per key
-    ``[w, 16]`` the norm (mse keys; the scale bits stand in for fp8 keys, never read), scale and zero
-    bits and the key's validity (live page and key < ``seq_len``)."""
+    (``kidx``'s shape: int16 code words zero-extended to int32, or int32 words of four fp8 keys, from
+    ``kcache_ptr``; with ``WIDE_K`` a lane's 16-byte window and 8 extra bytes, `_wide_key_indices`), V code
+    words ``[w, h, t, e, g, i]`` (zero-extended; with ``WIDE_V`` window and extra bytes ``[w, h, t, e, g, c]``),
+    and per key ``[w, 16]`` the norm (mse keys; the scale bits stand in for fp8 keys, never read), scale and
+    zero bits and the key's validity (live page and key < ``seq_len``)."""
     kblk, vblk, sblk = blocks
-    kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
-    if KEY_FP8:
-        kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
+    if WIDE_K:
+        k_slot, k_word, k_sel = kidx
+        kbase, _ = _page_base(kblk, num_blocks, stride_cn, head_off)
+        kwords = _load_windows(_LOAD_KEY_WINDOW, cache_ptr + (kbase + k_slot + k_word), k_sel)
     else:
-        kwords = _load_code_words(kcache_ptr + (kbase + k_slot5 + k_word5))
+        k_slot5, k_word5 = kidx
+        kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
+        if KEY_FP8:
+            kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
+        else:
+            kwords = _load_code_words(kcache_ptr + (kbase + k_slot5 + k_word5))
     vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
-    vwords = _load_code_words(cache_ptr + (vbase + v_slot6 + v_word6))
+    if WIDE_V:
+        v_slot, v_word, v_sel = vidx
+        vwords = _load_windows(_LOAD_VALUE_WINDOWS, cache_ptr + (vbase + v_slot + v_word), v_sel)
+    else:
+        v_slot6, v_word6 = vidx
+        vwords = _load_code_words(cache_ptr + (vbase + v_slot6 + v_word6))
     sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
     ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
     sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
@@ -251,6 +327,32 @@ def _key_words_3bit(KW: gl.constexpr, NW: gl.constexpr, k_cp):
     """`_key_words` for 3-bit codes, ``[w, h, g, t, half, c]``: word ``6t + 2 half + c`` of key ``8h + g``."""
     w, h, g, t, half, c = _grid6(KW, NW, 2, 8, 4, 2, 4)
     return w, (8 * h + g) * k_cp, 6 * t + 2 * half + c
+
+
+@gluon.jit
+def _wide_key_indices(KR: gl.constexpr, NW: gl.constexpr, stride_cp, a):
+    """Wide loads of 4-bit key codes, for slots starting ``a`` bytes (0, 2, 4 or 6) past an 8-byte boundary.
+
+    Lane ``t`` reads the 16 bytes at key byte ``16t - a`` (8-byte aligned: two 8-byte loads), and lane 0 also
+    the 8 bytes at ``64 - a``, whose first ``a`` bytes replace its window's first ``a`` (`_selectors`): position
+    ``p`` of lane ``t``'s window then holds code byte ``(16t + p - a) mod 64``. A lane still holds 32 codes of
+    each of its keys; the query's dims follow the rotation. Against one 16-bit load per 4 codes (8 keys per
+    load either way) this is 3 loads per lane and key instead of 8.
+
+    Returns the warp index of the words ``[w, h, g, t, b, c]`` (``KR``: word ``2b + c`` of key ``8h + g``) and
+    ``(slot, window start (int16 words), selectors)``."""
+    w, h, g, t, b, c = _grid6(KR, NW, 2, 8, 4, 2, 2)
+    return w, ((8 * h + g) * stride_cp, 8 * t - a // 2, _selectors(a, 4 * (2 * b + c), (t == 0) & (b == 0)))
+
+
+@gluon.jit
+def _wide_value_indices(VR: gl.constexpr, NW: gl.constexpr, stride_cp, a, VALUE_WORD: gl.constexpr):
+    """`_wide_key_indices` for 4-bit value codes starting ``a`` bytes past an 8-byte boundary: lane ``g`` reads the
+    8 bytes at value byte ``8g - a`` of each of its keys and lane 0 also those at ``64 - a``, so position ``p``
+    of lane ``g``'s window holds byte ``(8g + p - a) mod 64``. Returns the warp index of ``[w, h, t, e, g, c]``
+    (``VR``: word ``c`` of key ``8h + 2t + e``) and ``(slot, window start, selectors)``."""
+    w, h, t, e, g, c = _grid6(VR, NW, 2, 4, 2, 8, 2)
+    return w, ((8 * h + 2 * t + e) * stride_cp, VALUE_WORD + 4 * g - a // 2, _selectors(a, 4 * c, g == 0))
 
 
 @gluon.jit
@@ -344,17 +446,29 @@ def _tile_rows(r, q_start, q_len, tok0, live, seq_len, G: gl.constexpr, BLOCK_Q:
 @gluon.jit
 def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale, qk_scale, key_pos,
                  row_end, NW: gl.constexpr, NR: gl.constexpr, BLOCK_Q: gl.constexpr, KEY_BITS: gl.constexpr,
-                 VALUE_BITS: gl.constexpr, PK: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+                 VALUE_BITS: gl.constexpr, PK: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
+                 WIDE_K: gl.constexpr, WIDE_V: gl.constexpr):
     """One page per warp (`_load_page`'s ``words``) into the running state: ``acc`` (O^T ``[w, 128, NR]``),
     the running max ``m_i`` ``[w, NR]``, and per key and column the sums of the weights ``l_i`` and of the
     value zero points' terms ``z_i`` (``[w, 16, NR]`` as the scores with 16 columns, else ``[w, NR]``); returns
     the new state. ``entry``: this lane's codebook entry (`_LANE_ENTRY`; for fp8 keys any int32 tensor of
     its shape). With ``BLOCK_Q > 1`` (columns of several tokens), column ``r`` sees the keys at positions
     ``key_pos [w, 16]`` below ``row_end [1, 1, NR]`` (causal); otherwise every column sees the page's valid
-    keys."""
+    keys. With ``WIDE_K`` / ``WIDE_V`` the code words come from wide loads (`_wide_key_indices`), ``entry`` /
+    ``vzeros`` then in the layouts of their 8-code words."""
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     kwords, vwords, knorm, vscale, vzero, ok = words
-    if KEY_FP8:
+    if WIDE_K:  # a lane's 16 bytes of each of its keys as 4 words of 8 codes [w, h, g, t, b, c]
+        kx = gl.broadcast(gl.expand_dims(gl.expand_dims(kwords, 6), 7), entry)[0]
+        kc, ksq = gl.inline_asm_elementwise(_K4_WIDE_ASM, _WIDE_CONSTRAINTS, [kx, entry],
+                                            dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=8)
+        # [w, h, g, t, (b, c, half), (j1, e)] -> K [w, (h, g), (i, j1, t, e)], i = 4b + 2c + half
+        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]), [NW, 16, 128])
+        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                         [NW, 16, 128])
+        kc = gl.convert_layout(kc, A_L, assert_trivial=True)
+        ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
+    elif KEY_FP8:
         kx = gl.broadcast(gl.expand_dims(kwords, 5), entry)[0]
         kc = gl.inline_asm_elementwise(_FP8_ASM, "=r,=r,r,r,r,r", [kx], dtype=gl.bfloat16, is_pure=True,
                                        pack=4)
@@ -377,12 +491,18 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
                          [NW, 16, 128])
         kc = gl.convert_layout(kc, A_L, assert_trivial=True)
         ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
-    if VALUE_BITS == 3:  # likewise for values
-        vwords = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _FIELDS_CONSTRAINTS, [vwords], dtype=gl.int32,
-                                           is_pure=True, pack=8)
-    vx = gl.broadcast(gl.expand_dims(vwords, 6), vzeros)[0]
-    vc = gl.inline_asm_elementwise(_V3_ASM if VALUE_BITS == 3 else _V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [vx],
-                                   dtype=gl.bfloat16, is_pure=True, pack=8)
+    if WIDE_V:  # a lane's 8 bytes of each of its keys as 2 words of 8 codes [w, h, t, e, g, c]
+        vx = gl.broadcast(gl.expand_dims(gl.expand_dims(vwords, 6), 7), vzeros)[0]
+        vc = gl.inline_asm_elementwise(_V4_WIDE_ASM, _WIDE_CONSTRAINTS, [vx], dtype=gl.bfloat16, is_pure=True,
+                                       pack=16)
+        vc = gl.reshape(vc, [NW, 2, 4, 2, 8, 4, 4])  # word i = 2c + half
+    else:
+        if VALUE_BITS == 3:  # likewise for values
+            vwords = gl.inline_asm_elementwise(_V3_FIELDS_ASM, _FIELDS_CONSTRAINTS, [vwords], dtype=gl.int32,
+                                               is_pure=True, pack=8)
+        vx = gl.broadcast(gl.expand_dims(vwords, 6), vzeros)[0]
+        vc = gl.inline_asm_elementwise(_V3_ASM if VALUE_BITS == 3 else _V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+                                       [vx], dtype=gl.bfloat16, is_pure=True, pack=8)
     # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
     vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
     vc = gl.convert_layout(vc, A_L, assert_trivial=True)
@@ -429,11 +549,11 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                         part_m_ptr, part_l_ptr, out_ptr, sinks_ptr, ticket_ptr, stride_qt, stride_qh, stride_bt,
                         stride_cn, stride_cp, stride_ch, k_stride_cn, k_stride_cp, k_stride_ch, num_blocks,
                         num_splits, num_q_heads, num_seqs, num_tokens, qk_scale, max_seq_len, stride_ot, stride_oh,
-                        G: gl.constexpr, KEY_BITS: gl.constexpr,
+                        base_mod8, G: gl.constexpr, KEY_BITS: gl.constexpr,
                         KEY_NORM_WORD: gl.constexpr, VALUE_BITS: gl.constexpr, VALUE_WORD: gl.constexpr,
                         SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr,
                         BLOCK_Q: gl.constexpr, NR: gl.constexpr, FUSED_MERGE: gl.constexpr,
-                        HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr):
+                        HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr, WIDE: gl.constexpr):
     """One (tile of query rows, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
@@ -454,12 +574,18 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     launches: the last split sets it back to 0), so a decode step is one launch. ``sinks_ptr``: fp32
     ``[Hq]`` (``HAS_SINKS``); ``out_ptr``: ``[T, Hq, 128]`` bf16 with strides ``stride_ot``,
     ``stride_oh``. Otherwise those three are not read and `decode._decode_merge_kernel` merges.
+
+    ``WIDE`` (slot and block strides multiples of 8 bytes, so every slot of the kv head starts at the same
+    byte ``a`` past an 8-byte boundary; ``base_mod8``: the cache's address mod 8): 4-bit key and value codes
+    are read by 8-byte loads at aligned addresses, the bytes a lane holds rotated by ``a`` (`_wide_key_indices`).
     """
     pid = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
     NW: gl.constexpr = 4
     KEY_FP8: gl.constexpr = KEY_BITS == 8
+    WIDE_K: gl.constexpr = WIDE and KEY_BITS == 4
+    WIDE_V: gl.constexpr = WIDE and VALUE_BITS == 4
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -479,6 +605,14 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 4, 4], threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
     VW: gl.constexpr = gl.SliceLayout(6, PV)
+    # Wide loads: K [w, h, g, t, b, c, half, j]: code j of half `half` of 32-bit word 2b + c of lane t's 16 bytes
+    # of key 8h + g; V [w, h, t, e, g, c, half, j]: likewise for lane g's 8 bytes of key 8h + 2t + e.
+    PK8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 2, 2, 2, 4],
+                                         threads_per_warp=[1, 1, 8, 4, 1, 1, 1, 1],
+                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1, 1], order=[7, 6, 5, 4, 3, 2, 1, 0])
+    PV8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 2, 2, 4],
+                                         threads_per_warp=[1, 1, 4, 1, 8, 1, 1, 1],
+                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1, 1], order=[3, 7, 6, 5, 2, 4, 1, 0])
     SK: gl.constexpr = gl.SliceLayout(2, MMA)  # [w, key] along the scores' rows
     SR: gl.constexpr = gl.SliceLayout(1, MMA)  # [w, row] along the scores' (and O^T's) columns
 
@@ -513,11 +647,18 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         k_cn = stride_cn
         k_cp = stride_cp
 
+    # Wide loads: every slot of this kv head starts ``a_k`` bytes past an 8-byte boundary, its value codes ``a_v``.
+    a_k = (base_mod8 + 2 * (kv_head * stride_ch)) % 8
+    a_v = (a_k + 2 * VALUE_WORD) % 8
+
     # ---- query^T [w, 128, NR columns] in the B layout, dims permuted to the codes a lane holds: k = 16i + 8j1 +
-    # 2t + e <- 16i + 4t + 2j1 + e (word t + 4i, code 2j1 + e), or for 3 bits 32t + 4i + 2j1 + e (lane t's codes)
+    # 2t + e <- 16i + 4t + 2j1 + e (word t + 4i, code 2j1 + e), or for 3 bits 32t + 4i + 2j1 + e (lane t's codes);
+    # wide 4-bit loads: code e of byte (16t + 2i + j1 - a_k) mod 64 (`_wide_key_indices`)
     qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
     qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
-    if KEY_BITS == 3:
+    if WIDE_K:
+        qmem = 2 * ((16 * ((qk // 2) % 4) + 2 * (qk // 16) + (qk // 8) % 2 - a_k + 64) % 64) + qk % 2
+    elif KEY_BITS == 3:
         qmem = 32 * ((qk // 2) % 4) + 4 * (qk // 16) + 2 * ((qk // 8) % 2) + qk % 2
     else:
         qmem = 16 * (qk // 16) + 4 * ((qk // 2) % 4) + 2 * ((qk // 8) % 2) + qk % 2
@@ -534,17 +675,26 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     row_end = gl.expand_dims(gl.expand_dims(row_end, 0), 1)
 
     # ---- index tensors, K words
-    if KEY_BITS == 3:
-        k_w5, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp)
+    if WIDE_K:
+        k_w, kidx = _wide_key_indices(gl.SliceLayout(6, gl.SliceLayout(7, PK8)), NW, stride_cp, a_k)
     else:
-        k_w5, k_slot5, k_word5 = _key_words(KW, NW, k_cp)
+        if KEY_BITS == 3:
+            k_w, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp)
+        else:
+            k_w, k_slot5, k_word5 = _key_words(KW, NW, k_cp)
+        kidx = (k_slot5, k_word5)
     # ---- V words
-    v_w6, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, 4)
-    v_slot6 = (8 * vw_h + 2 * vw_t + vw_e) * stride_cp
-    if VALUE_BITS == 3:  # words 3g .. 3g + 2 (the last read twice): codes 16g .. 16g + 15
-        v_word6 = VALUE_WORD + 3 * vw_g + gl.minimum(vw_i, 2)
+    if WIDE_V:
+        v_w, vidx = _wide_value_indices(gl.SliceLayout(6, gl.SliceLayout(7, PV8)), NW, stride_cp, a_v,
+                                               VALUE_WORD)
     else:
-        v_word6 = VALUE_WORD + vw_g + 8 * vw_i
+        v_w, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, 4)
+        v_slot6 = (8 * vw_h + 2 * vw_t + vw_e) * stride_cp
+        if VALUE_BITS == 3:  # words 3g .. 3g + 2 (the last read twice): codes 16g .. 16g + 15
+            v_word6 = VALUE_WORD + 3 * vw_g + gl.minimum(vw_i, 2)
+        else:
+            v_word6 = VALUE_WORD + vw_g + 8 * vw_i
+        vidx = (v_slot6, v_word6)
     # ---- per-key scalars [w, key] in the score layout
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
@@ -561,13 +711,24 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         cmax = gl.max(gl.abs(gl.load(cb_ptr + gl.arange(0, ENTRIES, layout=CB))), axis=0)
         scale_bits = 0x7F000000 - (cmax.to(gl.int32, bitcast=True) & 0x7F800000)
         square_scale = scale_bits.to(gl.float32, bitcast=True)
-        entry = gl.inline_asm_elementwise(
-            _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
-            [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK),
-             gl.full([NW, 2, 8, 4, 8, 4], ENTRIES - 1, gl.int32, PK),
-             gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
+        if WIDE_K:  # (in the wide words' layout)
+            entry = gl.inline_asm_elementwise(
+                _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
+                [cb_ptr + gl.zeros([NW, 2, 8, 4, 2, 2, 2, 4], gl.int32, PK8),
+                 gl.full([NW, 2, 8, 4, 2, 2, 2, 4], ENTRIES - 1, gl.int32, PK8),
+                 gl.zeros([NW, 2, 8, 4, 2, 2, 2, 4], gl.int32, PK8) + scale_bits], dtype=gl.int32, is_pure=True,
+                pack=1)
+        else:
+            entry = gl.inline_asm_elementwise(
+                _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
+                [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK),
+                 gl.full([NW, 2, 8, 4, 8, 4], ENTRIES - 1, gl.int32, PK),
+                 gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
 
-    vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
+    if WIDE_V:
+        vzeros = gl.zeros([NW, 2, 4, 2, 8, 2, 2, 4], gl.int32, PV8)
+    else:
+        vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
     acc = gl.zeros([NW, 128, NR], gl.float32, MMA)  # O^T: dims x columns
     m_i = gl.full([NW, NR], float("-inf"), gl.float32, SR)
     if NR == 16:  # (`_attend_page`)
@@ -578,32 +739,32 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         z_i = gl.zeros([NW, NR], gl.float32, SR)
     zero_s = gl.zeros([NW, 16, NR], gl.float32, MMA)
     # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
-    blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w5, v_w6, sk_w)
-    cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w5, v_w6, sk_w), page_lo,
-                     kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5,
-                     v_slot6, v_word6, sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
+    blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w, v_w, sk_w)
+    cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w), page_lo,
+                     kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n,
+                     KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
     # With UNROLL 2, two pages per trip, so that the words loaded ahead never move between registers at
     # the back edge; an odd count runs one page past ``page_hi``: no live keys, no change to the state.
     for it in range(0, n_iter, UNROLL):
         if UNROLL == 2:
             words = cur
             cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks,
-                             stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6,
-                             sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
-            blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w5, v_w6, sk_w)
+                             stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
+                             KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
+            blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w, v_w, sk_w)
             key_pos = (page_lo + it * NW + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
-                                              square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS,
-                                              VALUE_BITS, PK, A_L, B_L)
+                                              square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q,
+                                              KEY_BITS, VALUE_BITS, PK, A_L, B_L, WIDE_K, WIDE_V)
         words = cur
         cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
-                         stride_cn, stride_cp, head_off, k_cn, k_head_off, k_slot5, k_word5, v_slot6, v_word6, sk_w,
-                         sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD)
-        blocks = _page_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w5, v_w6, sk_w)
+                         stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
+                         KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
+        blocks = _page_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w, v_w, sk_w)
         key_pos = (page_lo + (it + UNROLL - 1) * NW + sk_w[:, None]) * 16 + sk_n[None, :]
         acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
-                                          qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS, VALUE_BITS, PK,
-                                          A_L, B_L)
+                                          qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS, VALUE_BITS,
+                                          PK, A_L, B_L, WIDE_K, WIDE_V)
 
     # ---- merge the warps
     if NR == 16:
@@ -619,7 +780,9 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     o = o + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, OL)), 0)
     on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
     orow = gl.arange(0, NR, layout=gl.SliceLayout(0, OL))
-    if VALUE_BITS == 3:  # row 32i + 8j + g holds code j of field i of lane g's codes 16g .. 16g + 15
+    if WIDE_V:  # row 32i + 8j + g holds code j of word i of lane g's rotated window: byte 2i + j // 2
+        omem = 2 * ((8 * (on % 8) + 2 * (on // 32) + ((on // 8) % 4) // 2 - a_v + 64) % 64) + ((on // 8) % 4) % 2
+    elif VALUE_BITS == 3:  # row 32i + 8j + g holds code j of field i of lane g's codes 16g .. 16g + 15
         omem = 16 * (on % 8) + 4 * (on // 32) + (on // 8) % 4
     else:  # ... nibble j of value word g + 8i
         omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
@@ -747,6 +910,15 @@ ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
 # Process switch (``TQ_GLUON_FUSED_MERGE=0``): decode steps then merge their splits in
 # `decode._decode_merge_kernel` (a second launch), as tiles of several tokens always do.
 FUSED_MERGE = os.environ.get("TQ_GLUON_FUSED_MERGE", "1") != "0"
+# Process switch (``TQ_GLUON_WIDE=0``): 4-bit codes always read by 16-bit loads (`wide_loads`).
+WIDE_LOADS = os.environ.get("TQ_GLUON_WIDE", "1") != "0"
+# Where wide loads are taken: (slot, several query tokens per tile), where they won. H200, parity.bench rows,
+# TQ_GLUON_WIDE=0 / 1, a b a b (ms): decode B=32 x 8k k8v4 0.1662, 0.1656 / 0.1558, 0.1557; q_len 4 4bit_nc
+# 0.2517, 0.2525 / 0.2493, 0.2484. Not decode steps of 4bit_nc (0.1845, 0.1851 / 0.1986, 0.1986) or k3v4_nc
+# (0.1758, 0.1761 / 0.1892, 0.1872): at the 168-register cap the wide 4bit_nc build spills in its key loop
+# (15 spill instructions per trip, 2 without) and the k3v4_nc one needs 9 more registers uncapped (178 -> 187),
+# so ptxas keeps fewer loads in flight. 3bit_nc has no 4-bit codes.
+WIDE_SLOTS = frozenset({(_slot_format("turboquant_k8v4"), False), (_slot_format("turboquant_4bit_nc"), True)})
 # Decode steps merge in the kernel up to this many splits (one round of loads in `_merge_splits`).
 # H200, parity.bench decode rows, merge kernel / fused, two runs each (ms): B=32 x 8k (3 splits)
 # 4bit_nc 0.1892, 0.1902 / 0.1852, 0.1848 and k8v4 0.1668, 0.1669 / 0.1646, 0.1653; but GQA 8
@@ -791,6 +963,12 @@ def tile_shape(*, num_tokens: int, num_seqs: int, group: int) -> tuple:
     return (1, 8) if num_tokens <= num_seqs else (tq_spec.dispatch.decode_tile_tokens(group), 16)
 
 
+def wide_loads(cache_strides: tuple) -> bool:
+    """Whether the kernel may read 4-bit codes with wide loads (``WIDE``): the int16 cache's block and slot
+    strides are multiples of 8 bytes, so all slots of a kv head start at one offset mod 8 (a per-call fact)."""
+    return cache_strides[0] % 4 == 0 and cache_strides[1] % 4 == 0
+
+
 def aligned(spec: DecodeSpec, kv_cache: torch.Tensor) -> bool:
     """Whether this call's cache can be read as the spec's key words: fp8 keys are read as int32 words,
     so the cache's address and strides must be multiples of 4 bytes (a per-call fact; the decode
@@ -826,7 +1004,7 @@ def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs
 class DecodeSpec(NamedTuple):
     """The static part of a launch (`decode_spec`)."""
 
-    split: object  # `KernelSite` of `gluon_decode_kernel`
+    split: object  # `KernelSite` of `gluon_decode_kernel` (``WIDE``: caches whose strides allow wide loads)
     grid: tuple
     merge: Optional[object]  # `KernelSite` of `decode._decode_merge_kernel`; None: merged in the kernel
     merge_grid: tuple
@@ -837,6 +1015,7 @@ class DecodeSpec(NamedTuple):
     max_seq_len: int  # what the block table can address
     slot: dict  # the slot format's constexprs (`_FORMATS`)
     tickets: int  # counters of the fused merge (0: none)
+    split_narrow: object  # `split` without wide loads (`wide_loads`)
 
 
 def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int,
@@ -855,9 +1034,11 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
     fused = (FUSED_MERGE and block_q == 1 and num_splits <= FUSED_MERGE_MAX_SPLITS
              and _format_key(fmt) in MERGES_IN_KERNEL)
     splits_pad = max(2, 1 << (num_splits - 1).bit_length())
-    split = kernel_site(gluon_decode_kernel, dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused,
-                                                  HAS_SINKS=has_sinks, SPLITS_PAD=splits_pad, num_warps=4,
-                                                  **({} if maxnreg is None else dict(maxnreg=maxnreg))))
+    constexprs = dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused, HAS_SINKS=has_sinks,
+                      SPLITS_PAD=splits_pad, num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    wide = WIDE_LOADS and (_format_key(fmt), block_q > 1) in WIDE_SLOTS
+    split = kernel_site(gluon_decode_kernel, dict(constexprs, WIDE=wide))
+    split_narrow = kernel_site(gluon_decode_kernel, dict(constexprs, WIDE=False))
     # Tile ids as `attention_kernel.tiles_spec` numbers them: sequence b's from s[b] // BLOCK_Q + b.
     tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     merge = None if fused else kernel_site(_decode_merge_kernel, dict(
@@ -865,7 +1046,7 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
         INTERPRET=False, num_warps=4))
     return DecodeSpec(split, (tiles, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads),
                       rows * (HEAD_DIM + 2), (rows * HEAD_DIM, rows, rows), num_splits, num_seqs,
-                      max_blocks * PAGE_SIZE, slot, tiles * num_kv_heads if fused else 0)
+                      max_blocks * PAGE_SIZE, slot, tiles * num_kv_heads if fused else 0, split_narrow)
 
 
 # Ticket counters of the fused merge, per (device index, CUDA stream): ``[int32 buffer, clean]``. Per
@@ -909,7 +1090,8 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     ``[Hq]``. Any metadata values are safe (`gluon_decode_kernel`); rows past
     ``query_start_loc[B]`` come out zero.
     """
-    split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len, slot, tickets = spec
+    (split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len, slot, tickets,
+     split_narrow) = spec
     t, hq, _ = q.shape
     parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
     part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
@@ -919,11 +1101,13 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     qs, outs = q.stride(), out.stride()
     sinks = part_m if sinks is None else sinks  # (not read without sinks)
     counters = ticket_counters(q.device, tickets) if tickets else part_m
+    if not wide_loads(cs):
+        split = split_narrow
     split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l,
                  out, sinks, counters),
           (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
            cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len,
-           outs[0], outs[1]))
+           outs[0], outs[1], cache_i16.data_ptr() % 8))
     if merge is not None:
         merge(merge_grid, (part_acc, part_m, part_l, sinks, out, query_start_loc), (outs[0], outs[1], hq, splits,
                                                                                     num_seqs))
