@@ -337,7 +337,9 @@ def _wide_key_indices(KR: gl.constexpr, NW: gl.constexpr, stride_cp, a):
     the 8 bytes at ``64 - a``, whose first ``a`` bytes replace its window's first ``a`` (`_selectors`): position
     ``p`` of lane ``t``'s window then holds code byte ``(16t + p - a) mod 64``. A lane still holds 32 codes of
     each of its keys; the query's dims follow the rotation. Against one 16-bit load per 4 codes (8 keys per
-    load either way) this is 3 loads per lane and key instead of 8.
+    load either way) this is 3 loads per lane and key instead of 8. A window may start up to 6 bytes before
+    its slot (for the cache's first slot, before the cache): every read stays inside the 8-byte aligned words
+    that hold the slot's bytes, and bytes outside the codes are never used.
 
     Returns the warp index of the words ``[w, h, g, t, b, c]`` (``KR``: word ``2b + c`` of key ``8h + g``) and
     ``(slot, window start (int16 words), selectors)``."""
