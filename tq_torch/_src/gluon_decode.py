@@ -297,6 +297,16 @@ def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride
 
 
 @gluon.jit
+def _lane_entries(cb_ptr, scale_bits, SHAPE: gl.constexpr, L: gl.constexpr, ENTRIES: gl.constexpr):
+    """This lane's codebook entry with its scaled fp16 square (`_LANE_ENTRY_BF16_SQUARES`), as an int32 tensor of
+    ``SHAPE`` in layout ``L`` (the key words' broadcast shape)."""
+    return gl.inline_asm_elementwise(
+        _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
+        [cb_ptr + gl.zeros(SHAPE, gl.int32, L), gl.full(SHAPE, ENTRIES - 1, gl.int32, L),
+         gl.zeros(SHAPE, gl.int32, L) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _key_words(KW: gl.constexpr, NW: gl.constexpr, k_cp):
     """Index tensors of the key words ``[w, h, g, t, i]`` (layout ``KW``): warp, slot offset of key
     ``8h + g`` (``k_cp`` words per slot) and word ``t + 4i`` of its codes."""
@@ -714,18 +724,9 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         scale_bits = 0x7F000000 - (cmax.to(gl.int32, bitcast=True) & 0x7F800000)
         square_scale = scale_bits.to(gl.float32, bitcast=True)
         if WIDE_K:  # (in the wide words' layout)
-            entry = gl.inline_asm_elementwise(
-                _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
-                [cb_ptr + gl.zeros([NW, 2, 8, 4, 2, 2, 2, 4], gl.int32, PK8),
-                 gl.full([NW, 2, 8, 4, 2, 2, 2, 4], ENTRIES - 1, gl.int32, PK8),
-                 gl.zeros([NW, 2, 8, 4, 2, 2, 2, 4], gl.int32, PK8) + scale_bits], dtype=gl.int32, is_pure=True,
-                pack=1)
+            entry = _lane_entries(cb_ptr, scale_bits, [NW, 2, 8, 4, 2, 2, 2, 4], PK8, ENTRIES)
         else:
-            entry = gl.inline_asm_elementwise(
-                _LANE_ENTRY_BF16_SQUARES, "=r,l,r,r",
-                [cb_ptr + gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK),
-                 gl.full([NW, 2, 8, 4, 8, 4], ENTRIES - 1, gl.int32, PK),
-                 gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK) + scale_bits], dtype=gl.int32, is_pure=True, pack=1)
+            entry = _lane_entries(cb_ptr, scale_bits, [NW, 2, 8, 4, 8, 4], PK, ENTRIES)
 
     if WIDE_V:
         vzeros = gl.zeros([NW, 2, 4, 2, 8, 2, 2, 4], gl.int32, PV8)
