@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,11 +47,12 @@ maxnreg = gluon_decode.MAXNREG if block_q == 1 else gluon_decode.MULTI_MAXNREG
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
         "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
 consts = dict(G=4, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=block_q == 1, HAS_SINKS=True, SPLITS_PAD=16,
-              WIDE=sys.argv[3] == "wide")
+              WIDE=sys.argv[3] == "wide", ROTATE=block_q > 1 and slot["KEY_BITS"] != 8)
 sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_BITS"] == 8 else "*i16", cb_ptr="*fp32",
            bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", part_acc_ptr="*fp32", part_m_ptr="*fp32",
-           part_l_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*fp32", ticket_ptr="*i32", **{n: "i32" for n in ints},
-           qk_scale="fp32", max_seq_len="i32", stride_ot="i32", stride_oh="i32", base_mod8="i32",
+           part_l_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*fp32", ticket_ptr="*i32", rot_ptr="*bf16",
+           **{n: "i32" for n in ints}, qk_scale="fp32", max_seq_len="i32", stride_ot="i32", stride_oh="i32",
+           base_mod8="i32", rot_scale="fp32",
            **{k: "constexpr" for k in consts})
 src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=consts, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -179,6 +181,64 @@ def test_gpu_gluon_decode_agrees_with_the_triton_decode(preset, monkeypatch):
     check_against_reference(built, fast)
     check_against_reference(built, slow)
     assert (fast.float() - slow.float()).abs().max().item() < 0.05
+
+
+def test_the_kernel_rotates_the_query_where_its_spec_says():
+    """Tiles of several query tokens of mse slots rotate the query in the kernel (``ROTATE``); decode steps take
+    it rotated; fp8 keys need no rotation."""
+    from tq_torch._src import config, gluon_decode
+
+    import tq_spec
+
+    for preset in PRESETS:
+        fmt = config.format_constexprs(tq_spec.layout(preset, 128))
+        for num_tokens in (8, 32):
+            spec = gluon_decode.decode_spec(fmt, num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, num_seqs=8,
+                                            max_blocks=64, num_splits=2, has_sinks=False)
+            expected = preset != "turboquant_k8v4" and num_tokens > 8
+            assert spec.rotates == expected, (preset, num_tokens)
+            assert spec.split.constexprs["ROTATE"] == spec.split_narrow.constexprs["ROTATE"] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"))
+@pytest.mark.parametrize("q_lens", ((1, 1, 1), (3, 2, 5)), ids=("q1", "multi"))
+@pytest.mark.parametrize("rotation_kind", ("default", "randomized_hadamard", "orthogonal"))
+def test_gpu_gluon_decode_rotations_and_query_views_match_reference(preset, q_lens, rotation_kind, monkeypatch):
+    """The query rotated in the kernel (the default rotation's signs) or before it (a user's rotation, then the
+    kernel's identity), read from a strided view of a wider tensor, through the parity tolerance; the default
+    rotation's output within a bf16 rounding of the output with the query rotated by `rotation.rotate_query`."""
+    from tq_torch._src import gluon_decode, ops
+
+    dev = torch.device("cuda")
+    if rotation_kind == "default":
+        rotation = None
+    elif rotation_kind == "randomized_hadamard":
+        import tq_spec
+
+        rotation = tq_spec.rotation(128, "randomized_hadamard", seed=5)
+    else:  # (float32, orthogonal to float32 accuracy: the reference takes it as given)
+        rotation = np.linalg.qr(np.random.default_rng(7).standard_normal((128, 128)))[0].astype(np.float32)
+    case = _decode_case("rotations", (700, 90, 2100), 32, 8, q_lens=q_lens, sinks=True)
+    built = build(case, preset, dev=dev, rotation=rotation)
+    wide = torch.randn(*built.query.shape[:2], 256, generator=torch.Generator().manual_seed(3)).to(built.query)
+    wide[..., :128] = built.query
+    view = wide[..., :128]  # last dim contiguous, rows 512 bytes apart
+    counting = _Counting(monkeypatch)
+    out = torch.full_like(built.query, float("nan"))
+    _paged_attention(view, *built.args()[1:], **built.kwargs(), rotation=rotation, codebook=None, path="auto",
+                     out=out, num_splits=0, validate=False)
+    assert counting.calls == 1
+    check_against_reference(built, out)
+    if rotation is None:
+        monkeypatch.setattr(gluon_decode, "ROTATE_IN_KERNEL", False)
+        ops._attention_setup.cache_clear()
+        try:
+            host = _run(built)
+        finally:
+            ops._attention_setup.cache_clear()
+        # The same exact products, summed in the tensor cores' order either way: at most a rounding apart.
+        torch.testing.assert_close(out.float(), host.float(), rtol=2**-7, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -43,6 +43,9 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
   holds of a key (16 for 4-bit keys, 8 for 4-bit values) as 8-byte loads at aligned addresses, rotated by
   the slots' offset mod 8, lane 0 taking the bytes past the rotation from one more load
   (`_wide_key_indices`); the query's dims and the output's rows follow the rotation.
+- Tiles of several query tokens rotate an mse query themselves (``ROTATE``, `_rotated_query`: the signs of
+  ``Pi`` on the tensor cores, after the first page's loads are issued) instead of a launch of
+  `rotation.rotate_query` before them; decode steps take the query rotated (they measured slower).
 - The next page's words are loaded before the current page is used (distance 1, in registers), and
   the block ids one page further ahead.
 - The four warps merge once at the end. A decode step with at most `FUSED_MERGE_MAX_SPLITS` splits
@@ -456,6 +459,50 @@ def _tile_rows(r, q_start, q_len, tok0, live, seq_len, G: gl.constexpr, BLOCK_Q:
 
 
 @gluon.jit
+def _query_dims(k, a_k, KEY_BITS: gl.constexpr, WIDE_K: gl.constexpr):
+    """The query dim that the score dot's K index ``k`` (any layout) stands for: the dims permuted to the codes a
+    lane holds, ``k = 16i + 8j1 + 2t + e`` <- ``16i + 4t + 2j1 + e`` (word ``t + 4i``, code ``2j1 + e``), for 3 bits
+    ``32t + 4i + 2j1 + e`` (lane t's codes); wide 4-bit loads: code ``e`` of byte ``(16t + 2i + j1 - a_k) mod 64``
+    (`_wide_key_indices`)."""
+    if WIDE_K:
+        return 2 * ((16 * ((k // 2) % 4) + 2 * (k // 16) + (k // 8) % 2 - a_k + 64) % 64) + k % 2
+    elif KEY_BITS == 3:
+        return 32 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
+    else:
+        return 16 * (k // 16) + 4 * ((k // 2) % 4) + 2 * ((k // 8) % 2) + k % 2
+
+
+@gluon.jit(noinline=True)
+def _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_start, q_len, tok0, live, seq_len, a_k,
+                   G: gl.constexpr, BLOCK_Q: gl.constexpr, NR: gl.constexpr, NW: gl.constexpr, KEY_BITS: gl.constexpr,
+                   WIDE_K: gl.constexpr, B_L: gl.constexpr):
+    """The tile's query rotated for mse keys, ``Pi @ q`` with ``Pi = rot_scale * S`` (``rot_ptr``: the bf16 signs
+    ``S [128, 128]``, row-major), as the score dot's B operand ``[NW, 128, NR]`` bf16 (dims as `_query_dims`).
+
+    As `rotation.rotate_query` computes it: exact products of the bf16 query with +-1, fp32 sums on the tensor
+    cores, one multiply by ``rot_scale``, rounded to bf16 once. The four warps take 32 rotated dims each (8 KiB
+    of ``S``), then every warp gets all 128 through shared memory, outside the key loop. (Before: a separate
+    launch per call, ahead of this one.)"""
+    R2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    RA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=R2, k_width=2)
+    RB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=R2, k_width=2)
+    dims = _query_dims(gl.arange(0, 128, layout=gl.SliceLayout(1, RA)), a_k, KEY_BITS, WIDE_K)
+    ka = gl.arange(0, 16, layout=gl.SliceLayout(0, RA))
+    kb = gl.arange(0, 16, layout=gl.SliceLayout(1, RB))
+    q_row, q_head, q_written, _ = _tile_rows(gl.arange(0, NR, layout=gl.SliceLayout(0, RB)), q_start, q_len, tok0,
+                                             live, seq_len, G, BLOCK_Q)
+    q_col = gl.expand_dims(q_row * stride_qt + (kv_head * G + q_head).to(gl.int64) * stride_qh, 0)
+    acc = gl.zeros([128, NR], gl.float32, R2)
+    for c in gl.static_range(8):
+        s = gl.load(rot_ptr + gl.expand_dims(dims * 128, 1) + gl.expand_dims(16 * c + ka, 0))
+        qc = gl.load(q_ptr + q_col + gl.expand_dims(16 * c + kb, 1),
+                     mask=gl.expand_dims(q_written, 0) & gl.expand_dims(kb >= 0, 1), other=0.0)
+        acc = mma_v2(s, qc, acc)
+    q = gl.convert_layout((acc * rot_scale).to(gl.bfloat16), gl.SliceLayout(0, B_L))
+    return gl.broadcast(gl.expand_dims(q, 0), gl.full([NW, 128, NR], 0.0, gl.bfloat16, B_L))[0]
+
+
+@gluon.jit
 def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale, qk_scale, key_pos,
                  row_end, NW: gl.constexpr, NR: gl.constexpr, BLOCK_Q: gl.constexpr, KEY_BITS: gl.constexpr,
                  VALUE_BITS: gl.constexpr, PK: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
@@ -558,18 +605,21 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
 
 @gluon.jit
 def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, part_acc_ptr,
-                        part_m_ptr, part_l_ptr, out_ptr, sinks_ptr, ticket_ptr, stride_qt, stride_qh, stride_bt,
-                        stride_cn, stride_cp, stride_ch, k_stride_cn, k_stride_cp, k_stride_ch, num_blocks,
+                        part_m_ptr, part_l_ptr, out_ptr, sinks_ptr, ticket_ptr, rot_ptr, stride_qt, stride_qh,
+                        stride_bt, stride_cn, stride_cp, stride_ch, k_stride_cn, k_stride_cp, k_stride_ch, num_blocks,
                         num_splits, num_q_heads, num_seqs, num_tokens, qk_scale, max_seq_len, stride_ot, stride_oh,
-                        base_mod8, G: gl.constexpr, KEY_BITS: gl.constexpr,
+                        base_mod8, rot_scale, G: gl.constexpr, KEY_BITS: gl.constexpr,
                         KEY_NORM_WORD: gl.constexpr, VALUE_BITS: gl.constexpr, VALUE_WORD: gl.constexpr,
                         SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr,
                         BLOCK_Q: gl.constexpr, NR: gl.constexpr, FUSED_MERGE: gl.constexpr,
-                        HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr, WIDE: gl.constexpr):
+                        HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr, WIDE: gl.constexpr,
+                        ROTATE: gl.constexpr):
     """One (tile of query rows, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
-    ``q_ptr``: the query ``[T, Hq, 128]`` bf16 (rotated for mse keys); ``cache_ptr``: the cache as
+    ``q_ptr``: the query ``[T, Hq, 128]`` bf16, rotated for mse keys, or with ``ROTATE`` (mse keys) as given: the
+    program rotates it (`_rotated_query`; ``rot_ptr``: the bf16 signs ``S [128, 128]`` of ``Pi = rot_scale * S``,
+    row-major, not read otherwise); ``cache_ptr``: the cache as
     int16 words; ``kcache_ptr`` and ``k_stride_*``: the cache as key words (int16 words of 3- or
     4-bit codes, ``KEY_BITS`` 3 or 4; int32 words of four fp8 keys, ``KEY_BITS`` 8); ``cb_ptr``: the
     ``2**KEY_BITS``-entry fp32 key codebook (not read for fp8 keys); ``*_WORD``: the slot's int16
@@ -672,20 +722,15 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     # ---- query^T [w, 128, NR columns] in the B layout, dims permuted to the codes a lane holds: k = 16i + 8j1 +
     # 2t + e <- 16i + 4t + 2j1 + e (word t + 4i, code 2j1 + e), or for 3 bits 32t + 4i + 2j1 + e (lane t's codes);
     # wide 4-bit loads: code e of byte (16t + 2i + j1 - a_k) mod 64 (`_wide_key_indices`)
-    qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
-    qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
-    if WIDE_K:
-        qmem = 2 * ((16 * ((qk // 2) % 4) + 2 * (qk // 16) + (qk // 8) % 2 - a_k + 64) % 64) + qk % 2
-    elif KEY_BITS == 3:
-        qmem = 32 * ((qk // 2) % 4) + 4 * (qk // 16) + 2 * ((qk // 8) % 2) + qk % 2
-    else:
-        qmem = 16 * (qk // 16) + 4 * ((qk // 2) % 4) + 2 * ((qk // 8) % 2) + qk % 2
-    qcol = gl.expand_dims(gl.expand_dims(qmem, 0), 2)
-    qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
-    qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
-    q_row, q_head, q_written, _ = _tile_rows(qrow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
-    qoff = q_row * stride_qt + (kv_head * G + q_head) * stride_qh + qcol + qw * 0
-    q = gl.load(q_ptr + qoff, mask=q_written & (qcol >= 0) & (qw >= 0), other=0.0)
+    if not ROTATE:  # (the query as given: rotated already for mse keys)
+        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
+        qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
+        qcol = gl.expand_dims(gl.expand_dims(_query_dims(qk, a_k, KEY_BITS, WIDE_K), 0), 2)
+        qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
+        qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
+        q_row, q_head, q_written, _ = _tile_rows(qrow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
+        qoff = q_row * stride_qt + (kv_head * G + q_head) * stride_qh + qcol + qw * 0
+        q = gl.load(q_ptr + qoff, mask=q_written & (qcol >= 0) & (qw >= 0), other=0.0)
     ones = gl.full([NW, 128, NR], 1.0, gl.float16, B_L)
     # Per column, the end of the keys it sees (read with BLOCK_Q > 1 only)
     _, _, _, row_end = _tile_rows(gl.arange(0, NR, layout=gl.SliceLayout(0, SR)), q_start, q_len, tok0, live,
@@ -752,6 +797,9 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w), page_lo,
                      kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n,
                      KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
+    if ROTATE:  # (here, so that the first page's loads are in flight meanwhile)
+        q = _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_start, q_len, tok0, live,
+                           seq_len, a_k, G, BLOCK_Q, NR, NW, KEY_BITS, WIDE_K, B_L)
     # With UNROLL 2, two pages per trip, so that the words loaded ahead never move between registers at
     # the back edge; an odd count runs one page past ``page_hi``: no live keys, no change to the state.
     for it in range(0, n_iter, UNROLL):
@@ -928,6 +976,13 @@ WIDE_LOADS = os.environ.get("TQ_GLUON_WIDE", "1") != "0"
 # (15 spill instructions per trip, 2 without) and the k3v4_nc one needs 9 more registers uncapped (178 -> 187),
 # so ptxas keeps fewer loads in flight. 3bit_nc has no 4-bit codes.
 WIDE_SLOTS = frozenset({(_slot_format("turboquant_k8v4"), False), (_slot_format("turboquant_4bit_nc"), True)})
+# Tiles of several query tokens rotate an mse query in the kernel (``ROTATE``); decode steps take it rotated by
+# `rotation.rotate_query`. H200, parity.bench, TQ_GLUON_ROTATE=0 / 1, a b a b (ms): q_len 4 B=32 x 8k 4bit_nc
+# 0.2340, 0.2338 / 0.2109, 0.2108; but decode steps lost: B=32 x 8k 4bit_nc 0.1856, 0.1849 / 0.2366, 0.2371
+# (not the key loop: its sm_90a SASS went 1124 -> 1130 instructions per trip, 2 -> 0 spill instructions),
+# 3bit_nc 0.1797, 0.1798 / 0.1838, 0.1841, GQA 8 0.1104, 0.1108 / 0.1147, 0.1148.
+# Process switch (``TQ_GLUON_ROTATE=0``): mse queries always rotated by `rotation.rotate_query` first.
+ROTATE_IN_KERNEL = os.environ.get("TQ_GLUON_ROTATE", "1") != "0"
 # Decode steps merge in the kernel up to this many splits (one round of loads in `_merge_splits`).
 # H200, parity.bench decode rows, merge kernel / fused, two runs each (ms): B=32 x 8k (3 splits)
 # 4bit_nc 0.1892, 0.1902 / 0.1852, 0.1848 and k8v4 0.1668, 0.1669 / 0.1646, 0.1653; but GQA 8
@@ -1025,6 +1080,7 @@ class DecodeSpec(NamedTuple):
     slot: dict  # the slot format's constexprs (`_FORMATS`)
     tickets: int  # counters of the fused merge (0: none)
     split_narrow: object  # `split` without wide loads (`wide_loads`)
+    rotates: bool  # the kernel rotates the query (``ROTATE``): `launch_decode_spec` takes it as given
 
 
 def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: int, num_seqs: int,
@@ -1046,8 +1102,9 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
     constexprs = dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused, HAS_SINKS=has_sinks,
                       SPLITS_PAD=splits_pad, num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     wide = WIDE_LOADS and (_format_key(fmt), block_q > 1) in WIDE_SLOTS
-    split = kernel_site(gluon_decode_kernel, dict(constexprs, WIDE=wide))
-    split_narrow = kernel_site(gluon_decode_kernel, dict(constexprs, WIDE=False))
+    rotates = ROTATE_IN_KERNEL and slot["KEY_BITS"] != 8 and block_q > 1
+    split = kernel_site(gluon_decode_kernel, dict(constexprs, WIDE=wide, ROTATE=rotates))
+    split_narrow = kernel_site(gluon_decode_kernel, dict(constexprs, WIDE=False, ROTATE=rotates))
     # Tile ids as `attention_kernel.tiles_spec` numbers them: sequence b's from s[b] // BLOCK_Q + b.
     tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     merge = None if fused else kernel_site(_decode_merge_kernel, dict(
@@ -1055,7 +1112,7 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
         INTERPRET=False, num_warps=4))
     return DecodeSpec(split, (tiles, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads),
                       rows * (HEAD_DIM + 2), (rows * HEAD_DIM, rows, rows), num_splits, num_seqs,
-                      max_blocks * PAGE_SIZE, slot, tiles * num_kv_heads if fused else 0, split_narrow)
+                      max_blocks * PAGE_SIZE, slot, tiles * num_kv_heads if fused else 0, split_narrow, rotates)
 
 
 # Ticket counters of the fused merge, per (device index, CUDA stream): ``[int32 buffer, clean]``. Per
@@ -1087,12 +1144,15 @@ def ticket_counters(device: torch.device, numel: int) -> torch.Tensor:
 
 def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
                        centroids: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                       query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], sm_scale: float) -> None:
+                       query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], sm_scale: float,
+                       rotation_signs: torch.Tensor, rotation_scale: float) -> None:
     """Decode into ``out`` ``[T, Hq, 128]`` bf16: the kernel, then the merge kernel unless the spec
     merges in the kernel (`DecodeSpec.tickets`).
 
-    ``q``: the query ``[T, Hq, 128]`` bf16, last dim contiguous (rotated by `rotation.rotate_query`
-    for mse keys); ``cache_i16``: the cache ``uint8[N, 16, Hkv, slot_bytes]`` viewed as int16 (for
+    ``q``: the query ``[T, Hq, 128]`` bf16, last dim contiguous; for mse keys rotated by
+    `rotation.rotate_query`, except where the spec ``rotates``: then as given, and ``rotation_signs`` (bf16
+    ``[128, 128]``, row-major) and ``rotation_scale`` are ``Pi``'s (`rotation.QueryRotation.sign_rows`; any
+    tensor otherwise); ``cache_i16``: the cache ``uint8[N, 16, Hkv, slot_bytes]`` viewed as int16 (for
     fp8 keys `aligned` must hold); ``centroids``: the fp32 ``[16]`` key codebook (any tensor for fp8
     keys: not read); ``block_table`` int32 ``[B, max_blocks]`` (last dim contiguous); ``seq_lens``
     int32 ``[B]`` and ``query_start_loc`` int32 ``[B + 1]`` contiguous; ``sinks`` None or fp32
@@ -1100,7 +1160,7 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     ``query_start_loc[B]`` come out zero.
     """
     (split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len, slot, tickets,
-     split_narrow) = spec
+     split_narrow, _) = spec
     t, hq, _ = q.shape
     parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
     part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
@@ -1113,10 +1173,10 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     if not wide_loads(cs):
         split = split_narrow
     split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l,
-                 out, sinks, counters),
+                 out, sinks, counters, rotation_signs),
           (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
            cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len,
-           outs[0], outs[1], cache_i16.data_ptr() % 8))
+           outs[0], outs[1], cache_i16.data_ptr() % 8, float(rotation_scale)))
     if merge is not None:
         merge(merge_grid, (part_acc, part_m, part_l, sinks, out, query_start_loc), (outs[0], outs[1], hq, splits,
                                                                                     num_seqs))

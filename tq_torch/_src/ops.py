@@ -153,22 +153,31 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     setup = _attention_setup(preset, d, "extend" if path == "dequant" else path, interpret)
     fmt, d_pad, tiles, _ = setup
     plan = _plan(setup, preset, path, query, kv_cache, block_table, out, sinks, num_splits, interpret)
+    gluon = (path == "decode" and plan.gluon is not None and not sliding_window and not logits_soft_cap
+             and gluon_decode.aligned(plan.gluon, kv_cache))
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    rot_signs, rot_scale = q, 1.0  # (read by a Gluon launch that rotates the query only)
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = centroids if centroids is not None else plan.centroids
         # q_rot = Pi @ q once per call, in the query's dtype (`rotation.rotate_query`); scores are
-        # taken in the rotated space.
-        q = rotate_query(query, plan.rotation if rotation is None else
-                         query_rotation(preset, d, rotation, query.dtype, query.device))
+        # taken in the rotated space. The Gluon decode rotates it itself where its spec says so: by the
+        # signs of Pi = c * S, or for a general Pi, as rotated here, by the identity.
+        rot = plan.rotation if rotation is None else query_rotation(preset, d, rotation, query.dtype, query.device)
+        if gluon and plan.gluon.rotates:
+            if rot.sign_rows is not None:
+                rot_signs, rot_scale = rot.sign_rows, rot.scale
+            else:
+                q, rot_signs = rotate_query(query, rot), params.identity_rows(d, query.dtype, query.device)
+        else:
+            q = rotate_query(query, rot)
     else:
-        q = query if query.stride(-1) == 1 else query.contiguous()
         cents = seq_lens  # dummy pointer, never dereferenced for these formats
     cache_i16 = kv_cache.view(torch.int16)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
-    if (path == "decode" and plan.gluon is not None and not sliding_window and not logits_soft_cap
-            and gluon_decode.aligned(plan.gluon, kv_cache)):
+    if gluon:
         gluon_decode.launch_decode_spec(plan.gluon, q, out, cache_i16, cents, block_table, seq_lens,
-                                        query_start_loc, sinks, float(scale))
+                                        query_start_loc, sinks, float(scale), rot_signs, rot_scale)
         return
     if path == "decode":
         launch_decode_spec(plan.decode, q, out, kv_cache, cache_i16, cents, block_table, seq_lens,

@@ -57,6 +57,13 @@ def default_rotation(preset_name: str, head_dim: int, device: torch.device) -> t
                    lambda: _to_device(tq_spec.quant_params(preset_name, head_dim).rotation, device))
 
 
+def identity_rows(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[D, D]`` identity in ``dtype``: the signs a kernel that rotates its query takes for a query rotated
+    already (exact: one product by 1 per output)."""
+    return _cached(("identity", head_dim, str(dtype), str(device)),
+                   lambda: torch.eye(head_dim, dtype=dtype, device=device))
+
+
 def default_centroids(preset_name: str, head_dim: int, device: torch.device) -> torch.Tensor:
     return _cached(("centroids", preset_name, head_dim, str(device)),
                    lambda: _to_device(tq_spec.quant_params(preset_name, head_dim).codebook.centroids, device))

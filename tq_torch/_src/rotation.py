@@ -20,7 +20,7 @@ tq_jax needs no kernel for this: XLA runs its einsum.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -68,6 +68,9 @@ class QueryRotation(NamedTuple):
     operand: torch.Tensor  # S^T (+-1, 16-bit) or Pi's parts (`store.rotation_operand`)
     scale: float  # c of Pi = c * S (1.0 on the general path)
     block_r: int  # query rows per program
+    # Pi = scale * S with S = +-1 (the sign path): S row-major in the operand's dtype, for kernels that rotate the
+    # query themselves (`gluon_decode`); None for a general rotation.
+    sign_rows: Optional[torch.Tensor]
 
 
 def query_rotation(preset_name: str, head_dim: int, rotation: torch.Tensor | None, query_dtype: torch.dtype,
@@ -84,7 +87,8 @@ def query_rotation(preset_name: str, head_dim: int, rotation: torch.Tensor | Non
     site = kernel_site(_rotate_query_kernel, dict(
         D=d, ROT_N=rot_n, BLOCK_R=block_r, ROT_MODE=rot_mode, IN_DTYPE=config.TORCH_TO_TL[query_dtype],
         INTERPRET=interpret, num_warps=4))
-    return QueryRotation(site, rot_op, rot_scale, block_r)
+    sign_rows = rot_op.t().contiguous() if rot_mode == ROT_SIGNS else None
+    return QueryRotation(site, rot_op, rot_scale, block_r, sign_rows)
 
 
 def rotate_query(query: torch.Tensor, rotation: QueryRotation) -> torch.Tensor:
