@@ -719,9 +719,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     a_k = (base_mod8 + 2 * (kv_head * stride_ch)) % 8
     a_v = (a_k + 2 * VALUE_WORD) % 8
 
-    # ---- query^T [w, 128, NR columns] in the B layout, dims permuted to the codes a lane holds: k = 16i + 8j1 +
-    # 2t + e <- 16i + 4t + 2j1 + e (word t + 4i, code 2j1 + e), or for 3 bits 32t + 4i + 2j1 + e (lane t's codes);
-    # wide 4-bit loads: code e of byte (16t + 2i + j1 - a_k) mod 64 (`_wide_key_indices`)
+    # ---- query^T [w, 128, NR columns] in the B layout, dims permuted to the codes a lane holds (`_query_dims`)
     if not ROTATE:  # (the query as given: rotated already for mse keys)
         qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
         qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
