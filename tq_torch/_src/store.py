@@ -1,5 +1,8 @@
 """Fused store: quantize K/V of new tokens and scatter them into their cache slots.
 
+(`gluon_store` takes the mse presets' common case on sm_90: bfloat16 K/V at D = 128 with the
+preset's default tables; `launch_store_kv` picks.)
+
 Rows ``r`` = (token ``r // Hkv``, kv head ``r % Hkv``) are encoded
 ``BLOCK_R`` at a time; with contiguous inputs a tile is one contiguous chunk
 of K and of V, read with 16-byte loads. A grid of resident programs (a few
@@ -50,7 +53,7 @@ import triton.language as tl
 
 import tq_spec
 
-from . import config, params
+from . import config, gluon_store, params
 from .kernel_math import dot_operand, fp8_e4m3fn_encode, to_dtype_rne
 from .launcher import KernelSite, kernel_site
 
@@ -677,6 +680,14 @@ def default_store_plan(preset_name: str, key_dtype: torch.dtype, head_dim: int, 
     return store_plan(preset_name, key_dtype, head_dim, cache_shape, cache_strides, device, None, None)
 
 
+@functools.lru_cache(maxsize=256)
+def _takes_gluon(preset_name: str, key_dtype: torch.dtype, value_dtype: torch.dtype, head_dim: int,
+                 device: torch.device) -> bool:
+    """Whether a store with the preset's default tables runs `gluon_store` (`gluon_store.ineligible`)."""
+    return gluon_store.ineligible(preset_name, key_dtype=key_dtype, value_dtype=value_dtype, head_dim=head_dim,
+                                  device=device, default_tables=True) is None
+
+
 def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, preset_name: str, rotation: torch.Tensor | None,
                     midpoints: torch.Tensor | None) -> None:
@@ -691,16 +702,20 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     if t == 0:
         return
     shape, strides, dev = kv_cache.shape, kv_cache.stride(), kv_cache.device
-    if rotation is None and midpoints is None:
-        plan = default_store_plan(preset_name, key.dtype, d, shape, strides, dev)
-    else:
-        plan = store_plan(preset_name, key.dtype, d, shape, strides, dev, rotation, midpoints)
-    key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
     n_rows = t * hkv
     n, p = shape[:2]
     if n * p >= 2**31 or n_rows >= 2**31:
         raise NotImplementedError(f"kv_cache: {n * p} slots / {n_rows} rows; the store addresses fewer than 2**31")
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    defaults = rotation is None and midpoints is None
+    if defaults and gluon_store.ENABLED and _takes_gluon(preset_name, key.dtype, value.dtype, d, dev):
+        gluon_store.launch(gluon_store.store_plan(preset_name, tuple(shape), dev), key, value, kv_cache, slot_mapping)
+        return
+    if defaults:
+        plan = default_store_plan(preset_name, key.dtype, d, shape, strides, dev)
+    else:
+        plan = store_plan(preset_name, key.dtype, d, shape, strides, dev, rotation, midpoints)
     n_tiles = -(-n_rows // plan.block_r)
     # Dummies for tables a format never reads: any tensor will do.
     rot = plan.rotation if plan.rotation is not None else slot_mapping
