@@ -86,11 +86,9 @@ def test_gluon_store_tile_loop_has_no_barrier(tmp_path, preset):
 
 
 def _triton_store(monkeypatch, *args, **kwargs):
-    monkeypatch.setattr(gluon_store, "ENABLED", False)
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(gluon_store, "ENABLED", False)
         tq_torch.store_kv(*args, **kwargs)
-    finally:
-        monkeypatch.setattr(gluon_store, "ENABLED", True)
 
 
 def _inputs(preset, t, hkv, n, p, seed, *, bad_slots=True):

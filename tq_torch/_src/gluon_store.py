@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 import tq_spec
 
 from . import config, params
-from .gluon_decode import _axis, _cta_barrier
+from .gluon_decode import _axis, _cta_barrier, _query_dims
 from .launcher import KernelSite, kernel_site
 
 HEAD_DIM = 128
@@ -263,6 +263,8 @@ def gluon_store_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr
         # [w, h, g, j, t, (j1, e)] -> K^T [(j, j1, t, e), (h, w, g)]
         kb = gl.permute(gl.reshape(k, [NW, 2, 8, 8, 4, 2, 2]), [3, 5, 4, 6, 1, 0, 2])
         kb = gl.convert_layout(gl.reshape(kb, [128, 16 * NW]), B_L, assert_trivial=True)
+        # The codes' rows in the dot's column layout: their slots are read again there (L1 hits), since moving
+        # `row_word` across lanes would take shared memory and a barrier.
         _, _, k_ok, k_word = _row_slots(r0 + 32 * knt + 8 * kw + 2 * kt + ke, slot_ptr, n_rows, num_slots,
                                         stride_cn_w, stride_cp_w, stride_ch_w, HKV, PAGE_SIZE)
         k_ok = k_ok & (kg >= 0)
@@ -315,13 +317,6 @@ def gluon_store_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr
 # --------------------------------------------------------------------------- host side
 
 
-def _slot_format(preset: str) -> tuple:
-    return tuple(sorted(config.format_constexprs(tq_spec.layout(preset, HEAD_DIM)).items()))
-
-
-_FORMATS = {_slot_format(p): p for p in PRESETS}
-
-
 def ineligible(preset_name: str, *, key_dtype: torch.dtype, value_dtype: torch.dtype, head_dim: int,
                device: torch.device, default_tables: bool) -> Optional[str]:
     """None where `store_kv` may run this kernel, else why not (static facts of the call)."""
@@ -342,9 +337,8 @@ def ineligible(preset_name: str, *, key_dtype: torch.dtype, value_dtype: torch.d
 
 def _lane_dims() -> np.ndarray:
     """The key dim that the dot's K index ``k = 16j + 8j1 + 2t + e`` stands for: ``16j + 4t + 2j1 + e`` (lane t's
-    8-byte loads)."""
-    k = np.arange(HEAD_DIM)
-    return 16 * (k // 16) + 4 * ((k // 2) % 4) + 2 * ((k // 8) % 2) + k % 2
+    8-byte loads): the Gluon decode's map of its 4-bit query dims (`gluon_decode._query_dims`), run on the host."""
+    return _query_dims.fn(np.arange(HEAD_DIM), 0, 4, False)
 
 
 def _rotated_dims(key_bits: int) -> np.ndarray:
@@ -370,21 +364,20 @@ class StorePlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def store_plan(preset_name: str, cache_shape: tuple, device: torch.device) -> StorePlan:
-    """The launch plan of a cache (the preset's default rotation and codebook)."""
+def store_plan(preset_name: str, num_kv_heads: int, page_size: int, device: torch.device) -> StorePlan:
+    """The launch plan of a cache's preset, kv heads and page size (the preset's default rotation and codebook)."""
     from .store import _default_forms
 
-    _, _, hkv, _ = cache_shape
     signs_t, c, mid_mode = _default_forms(preset_name, HEAD_DIM)
     assert mid_mode == 0, "tq_spec's codebooks are symmetric"
     fmt = config.format_constexprs(tq_spec.layout(preset_name, HEAD_DIM))
-    bits = fmt["KEY_BITS"]
     rot = params._cached(("gluon_store_signs", preset_name, HEAD_DIM, str(device)),
-                         lambda: torch.from_numpy(_sign_operand(signs_t, bits)).to(device=device, dtype=torch.bfloat16))
+                         lambda: torch.from_numpy(_sign_operand(signs_t, fmt["KEY_BITS"])).to(device=device,
+                                                                                             dtype=torch.bfloat16))
     site = kernel_site(gluon_store_kernel, dict(
         KEY_BITS=fmt["KEY_BITS"], KEY_NORM_OFF=fmt["KEY_NORM_OFF"], VALUE_BITS=fmt["VALUE_BITS"],
         VALUE_OFF=fmt["VALUE_OFF"], VALUE_SCALE_OFF=fmt["VALUE_SCALE_OFF"], VALUE_ZERO_OFF=fmt["VALUE_ZERO_OFF"],
-        HKV=hkv, PAGE_SIZE=cache_shape[1], num_warps=NW.value, maxnreg=MAXNREG))
+        HKV=num_kv_heads, PAGE_SIZE=page_size, num_warps=NW.value, maxnreg=MAXNREG))
     return StorePlan(site, rot, c, params.default_midpoints(preset_name, HEAD_DIM, device),
                      PROGRAMS_PER_SM * config.sm_count(device))
 

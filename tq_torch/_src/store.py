@@ -710,7 +710,7 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     value = value if value.stride(-1) == 1 else value.contiguous()
     defaults = rotation is None and midpoints is None
     if defaults and gluon_store.ENABLED and _takes_gluon(preset_name, key.dtype, value.dtype, d, dev):
-        gluon_store.launch(gluon_store.store_plan(preset_name, tuple(shape), dev), key, value, kv_cache, slot_mapping)
+        gluon_store.launch(gluon_store.store_plan(preset_name, hkv, p, dev), key, value, kv_cache, slot_mapping)
         return
     if defaults:
         plan = default_store_plan(preset_name, key.dtype, d, shape, strides, dev)
