@@ -27,8 +27,9 @@ import tq_torch
 from tq_torch._src.api import _paged_attention
 from tq_torch_testlib import AttnCase, build, check_against_reference
 
-# The slots the kernel reads.
+# The slots the kernel reads: at D = 128, and at D = 256 (decode steps).
 PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
+PRESETS_D256 = ("turboquant_4bit_nc", "turboquant_k8v4")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,9 +42,13 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from tq_torch._src import gluon_decode
 
-slot = gluon_decode._FORMATS[gluon_decode._slot_format(sys.argv[1])]
+slot = gluon_decode._FORMATS[gluon_decode._slot_format(sys.argv[1], int(sys.argv[4]))]
 block_q, nr = gluon_decode.tile_shape(num_tokens=int(sys.argv[2]), num_seqs=1, group=4)
-maxnreg = gluon_decode.MAXNREG if block_q == 1 else gluon_decode.MULTI_MAXNREG
+spec = gluon_decode.decode_spec(gluon_decode.config.format_constexprs(gluon_decode.tq_spec.layout(sys.argv[1],
+                                                                                                  int(sys.argv[4]))),
+                                num_tokens=int(sys.argv[2]), num_q_heads=4, num_kv_heads=1, num_seqs=1, max_blocks=4,
+                                num_splits=1, has_sinks=True)
+maxnreg = spec.split.constexprs.get("maxnreg")
 ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
         "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
 consts = dict(G=4, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=block_q == 1, HAS_SINKS=True, SPLITS_PAD=16,
@@ -61,18 +66,21 @@ print(kernel.asm["ttgir"])
 """
 
 
-@pytest.mark.parametrize("preset,dots", [("turboquant_4bit_nc", 3), ("turboquant_k3v4_nc", 3),
-                                          ("turboquant_3bit_nc", 3), ("turboquant_k8v4", 2)])
-@pytest.mark.parametrize("q_len", (1, 4), ids=("decode_step", "multi_token"))
-@pytest.mark.parametrize("loads", ("wide", "narrow"))
-def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots, q_len, loads):
+_DOTS = {"turboquant_4bit_nc": 3, "turboquant_k3v4_nc": 3, "turboquant_3bit_nc": 3, "turboquant_k8v4": 2}
+_KEY_LOOP_BUILDS = ([(preset, q_len, loads, 128) for preset in PRESETS for q_len in (1, 4) for loads in ("wide", "narrow")]
+                    + [(preset, 1, "narrow", 256) for preset in PRESETS_D256])
+
+
+@pytest.mark.parametrize("preset,q_len,loads,head_dim", _KEY_LOOP_BUILDS,
+                         ids=[f"{p}-q{q}-{w}-d{d}" for p, q, w, d in _KEY_LOOP_BUILDS])
+def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, q_len, loads, head_dim):
     """A decode step (one query token per program, 8 columns) and several query tokens per sequence (16), with
-    wide loads of 4-bit codes (`gluon_decode.wide_loads`) and without."""
+    wide loads of 4-bit codes (`gluon_decode.wide_loads`) and without; decode steps at D = 256."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, preset, str(q_len), loads], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, preset, str(q_len), loads, str(head_dim)], env=env,
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -86,13 +94,14 @@ def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, dots, q_le
     # Q K^T, V^T P^T, and for mse keys the squares' ones row, for each page of a loop trip.
     from tq_torch._src import gluon_decode
 
-    pages = gluon_decode._FORMATS[gluon_decode._slot_format(preset)]["UNROLL"]
-    assert loops[0].count("tt.dot") == dots * pages
+    pages = gluon_decode._FORMATS[gluon_decode._slot_format(preset, head_dim)]["UNROLL"]
+    assert loops[0].count("tt.dot") == _DOTS[preset] * pages
 
 
-def _decode_case(name, seq_lens, hq, hkv, q_lens=None, sinks=False):
+def _decode_case(name, seq_lens, hq, hkv, q_lens=None, sinks=False, head_dim=128):
     return AttnCase(name, seq_lens=seq_lens, q_lens=q_lens or (1,) * len(seq_lens), num_q_heads=hq,
-                    num_kv_heads=hkv, head_dim=128, page=16, presets=PRESETS, sinks=sinks)
+                    num_kv_heads=hkv, head_dim=head_dim, page=16, presets=PRESETS if head_dim == 128 else PRESETS_D256,
+                    sinks=sinks)
 
 
 GPU_CASES = (
@@ -114,7 +123,18 @@ GPU_CASES = (
 # step's tile) and several (`gluon_decode.tile_shape`'s other).
 GUARD_CASE = _decode_case("guards", (700, 90, 2100), 32, 8, sinks=True)
 MULTI_GUARD_CASE = _decode_case("guards_multi", (700, 90, 2100), 32, 8, q_lens=(3, 2, 3), sinks=True)
-GUARD_CASES = pytest.mark.parametrize("guard_case", (GUARD_CASE, MULTI_GUARD_CASE), ids=("q1", "multi"))
+D256_GUARD_CASE = _decode_case("guards_d256", (700, 90, 2100), 16, 4, sinks=True, head_dim=256)
+_GUARDS = ([(p, c) for c in (GUARD_CASE, MULTI_GUARD_CASE) for p in PRESETS]
+           + [(p, D256_GUARD_CASE) for p in PRESETS_D256])
+GUARD_CASES = pytest.mark.parametrize("preset,guard_case", _GUARDS, ids=[f"{p}-{c.name}" for p, c in _GUARDS])
+# D = 256: decode steps take the kernel (4-bit and fp8 keys, 4-bit values); several query tokens per sequence
+# keep the Triton kernels.
+D256_CASES = (
+    _decode_case("d256_lengths_gqa16_4", (1, 5, 15, 16, 17, 33, 4100), 16, 4, head_dim=256),
+    _decode_case("d256_gqa8_1", (300, 4096), 8, 1, head_dim=256),
+    _decode_case("d256_gqa8_8_sinks", (2000, 77), 8, 8, sinks=True, head_dim=256),
+    _decode_case("d256_q_len_2_and_0", (50, 0, 3000, 17), 16, 4, q_lens=(2, 0, 1, 1), head_dim=256),
+)
 
 
 class _Counting:
@@ -161,6 +181,32 @@ def test_gpu_gluon_decode_matches_reference(preset, case, num_splits, monkeypatc
     check_against_reference(built, out)
     # A second call relaunches the kept compiled kernel (`launcher.KernelSite`): same bits.
     assert torch.equal(_run(built, num_splits=num_splits), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS_D256)
+@pytest.mark.parametrize("case", D256_CASES, ids=[c.name for c in D256_CASES])
+@pytest.mark.parametrize("num_splits", (0, 1, 3, 16))
+def test_gpu_gluon_decode_d256_matches_reference(preset, case, num_splits, monkeypatch):
+    """D = 256 decode steps take the Gluon kernel by default, through the parity tolerance."""
+    built = build(case, preset, dev=torch.device("cuda"))
+    counting = _Counting(monkeypatch)
+    out = _run(built, num_splits=num_splits)
+    assert counting.calls == 1, "the decode path did not take the Gluon kernel"
+    check_against_reference(built, out)
+    assert torch.equal(_run(built, num_splits=num_splits), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS_D256)
+def test_gpu_d256_tiles_of_several_tokens_keep_the_triton_decode(preset, monkeypatch):
+    """At D = 256 only decode steps take the kernel: several query tokens per sequence run the Triton decode."""
+    case = _decode_case("d256_multi", (40, 3000), 16, 4, q_lens=(4, 3), head_dim=256)
+    built = build(case, preset, dev=torch.device("cuda"))
+    counting = _Counting(monkeypatch)
+    out = _run(built)
+    assert counting.calls == 0
+    check_against_reference(built, out)
 
 
 @pytest.mark.gpu
@@ -259,7 +305,6 @@ def test_gpu_gluon_decode_padding_rows_are_zero(preset, q_lens, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", PRESETS)
 @GUARD_CASES
 def test_gpu_gluon_decode_nan_query_and_sink_propagate(preset, guard_case):
     built = build(guard_case, preset, dev=torch.device("cuda"))
@@ -281,7 +326,6 @@ def test_gpu_gluon_decode_nan_query_and_sink_propagate(preset, guard_case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("bad", (-5, 2**31 - 1, 10**6))
 @GUARD_CASES
 def test_gpu_gluon_decode_bad_block_ids_and_lengths_stay_in_bounds(preset, bad, guard_case):
@@ -325,7 +369,6 @@ def test_gpu_gluon_decode_bad_query_start_loc_gives_each_row_one_owner(preset, g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", PRESETS)
 @GUARD_CASES
 def test_gpu_gluon_decode_cuda_graph_replay_matches_eager(preset, guard_case, monkeypatch):
     built = build(guard_case, preset, dev=torch.device("cuda"))

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import config
-from .launcher import kernel_site
+from .launcher import Launch, kernel_site
 from .kv_tiles import LOG2E, attend_key_range, load_query_rows
 from .kernel_math import to_dtype_rne
 
@@ -281,10 +281,17 @@ def launch_tiles_spec(spec: tuple, q, out, part_acc, part_m, part_l, kv_cache, c
     uint8 cache, or the dequant workspace's own float16/bfloat16 view (`workspace.launch_dequant`:
     its raw tiles then reach the dots without a bitcast).
     """
+    tiles_launch(spec, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table, seq_lens,
+                 query_start_loc, sinks, sm_scale, softcap, window)()
+
+
+def tiles_launch(spec: tuple, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
+                 seq_lens, query_start_loc, sinks, sm_scale: float, softcap: float, window: int) -> Launch:
+    """`launch_tiles_spec`'s launch, not yet issued (`launcher.Launch`)."""
     grid, ints, sites = spec
     qs, os_, cs = q.stride(), out.stride(), kv_cache.stride()
-    sites[softcap > 0](
-        grid,
+    return Launch(
+        sites[softcap > 0], grid,
         (q, out, part_acc, part_m, part_l, cache_i16, centroids, block_table, seq_lens,
          query_start_loc, sinks if sinks is not None else q),
         (qs[0], qs[1], os_[0], os_[1], block_table.stride(0), cs[0], cs[1], cs[2], sm_scale, softcap, window,

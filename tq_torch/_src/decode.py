@@ -18,14 +18,16 @@ depends only on static shapes, so the path can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from .kv_tiles import LOG2E
-from .attention_kernel import launch_tiles_spec, tiles_spec
+from .attention_kernel import tiles_launch, tiles_spec
 from .kernel_math import to_dtype_rne
-from .launcher import kernel_site
+from .launcher import Launch, kernel_site
 
 
 @triton.jit
@@ -85,17 +87,22 @@ def decode_spec(*, num_tokens: int, num_q_heads: int, head_dim: int, num_seqs: i
 
 
 def launch_decode_spec(spec: tuple, q, out, kv_cache, cache_i16, centroids, block_table, seq_lens,
-                       query_start_loc, sinks, sm_scale: float, softcap: float, window: int) -> None:
-    """Launches split + merge with a `decode_spec` of these tensors' static shapes."""
+                       query_start_loc, sinks, sm_scale: float, softcap: float, window: int,
+                       first: Optional[Launch] = None) -> None:
+    """Launches split + merge with a `decode_spec` of these tensors' static shapes; ``first`` (the query
+    rotation that fills ``q``), if given, right before them (`launcher.Launch`)."""
     split, merge_grid, part_numel, part_sizes, hq, num_splits, num_seqs, merge = spec
     # One allocation for the three partial buffers, split in one call (host
     # time matters at B=1). The kernels index them flat: acc ``[T, Hq, splits,
     # D]``, m and l ``[T, Hq, splits]``.
     parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
     part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
-    launch_tiles_spec(split, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids, block_table,
-                      seq_lens, query_start_loc, sinks, sm_scale, softcap, window)
     os_ = out.stride()
+    split_launch = tiles_launch(split, q, out, part_acc, part_m, part_l, kv_cache, cache_i16, centroids,
+                                block_table, seq_lens, query_start_loc, sinks, sm_scale, softcap, window)
+    if first is not None:
+        first()
+    split_launch()
     merge(merge_grid, (part_acc, part_m, part_l, sinks if sinks is not None else part_m, out, query_start_loc),
           (os_[0], os_[1], hq, num_splits, num_seqs))
 

@@ -2,9 +2,10 @@
 
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
 (4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys), ``turboquant_3bit_nc`` (3-bit keys and
-values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, page size 16, a GQA group of at most
-8, a bfloat16 query and output, an sm_90 device, sinks; no sliding window or soft cap (those calls
-keep the Triton kernels). Decode steps (``T <= B``) run one program per query row, the GQA group as 8
+values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, and decode steps of ``turboquant_4bit_nc``
+and ``turboquant_k8v4`` slots at D = 256 (`PRESETS_D256`: the same loads and dots over twice the
+dims, 16-bit loads only); page size 16, a GQA group of at most 8, a bfloat16 query and output, an
+sm_90 device, sinks; no sliding window or soft cap (those calls keep the Triton kernels). Decode steps (``T <= B``) run one program per query row, the GQA group as 8
 columns; batches with several query tokens per sequence (speculative verification, ``T > B``) run
 tiles of the decode path's ``16 // G`` tokens x ``G`` heads (`tile_shape`) as 16 columns, each key
 decoded once for the whole tile, causal per column. Same function, partials and merge as `decode`;
@@ -74,7 +75,7 @@ from . import config
 from .decode import _decode_merge_kernel
 from .kernel_math import _LANE_ENTRY_BF16_SQUARES
 from .kv_tiles import LOG2E
-from .launcher import current_stream, kernel_site
+from .launcher import Launch, current_stream, kernel_site
 
 PAGE_SIZE = 16
 HEAD_DIM = 128
@@ -91,6 +92,14 @@ WAVES = 2
 MULTI_MAXNREG = None
 MULTI_PROGRAMS_PER_SM = 2
 MULTI_WAVES = 1
+# D = 256 (decode steps): no register cap (Triton 3.6 sm_90a, 4bit_nc: 246 registers, no spill; capped at 232 the
+# key loop spills 11 local loads and stores, at 200 47), so 2 programs per SM, one wave, one page per trip. H200,
+# CUDA-graph replays, B=32 x 8k, Hq 16 / Hkv 4 (us), splits 2 / 3 / 4 / 6 / 8: 4bit_nc one page per trip 166 / 202 /
+# 178 / 185 / 197, two 167 / 225 / 188 / 213 / 221; k8v4 one 136 / 179 / 148 / 156 / 167, two 152 / 196 / 168 /
+# 178 / 188.
+D256_MAXNREG = None
+D256_PROGRAMS_PER_SM = 2
+D256_WAVES = 1
 MIN_SPLIT_PAGES = 16
 
 
@@ -310,14 +319,14 @@ def _lane_entries(cb_ptr, scale_bits, SHAPE: gl.constexpr, L: gl.constexpr, ENTR
 
 
 @gluon.jit
-def _key_words(KW: gl.constexpr, NW: gl.constexpr, k_cp):
-    """Index tensors of the key words ``[w, h, g, t, i]`` (layout ``KW``): warp, slot offset of key
-    ``8h + g`` (``k_cp`` words per slot) and word ``t + 4i`` of its codes."""
+def _key_words(KW: gl.constexpr, NW: gl.constexpr, k_cp, D: gl.constexpr):
+    """Index tensors of the key words ``[w, h, g, t, i]`` (layout ``KW``; ``i < D // 16``): warp, slot offset of
+    key ``8h + g`` (``k_cp`` words per slot) and word ``t + 4i`` of its codes."""
     kw_w = gl.arange(0, NW, layout=_axis(KW, 0, 5))
     kw_h = gl.arange(0, 2, layout=_axis(KW, 1, 5))
     kw_g = gl.arange(0, 8, layout=_axis(KW, 2, 5))
     kw_t = gl.arange(0, 4, layout=_axis(KW, 3, 5))
-    kw_i = gl.arange(0, 8, layout=_axis(KW, 4, 5))
+    kw_i = gl.arange(0, D // 16, layout=_axis(KW, 4, 5))
     return (kw_w[:, None, None, None, None],
             (8 * kw_h[None, :, None, None, None] + kw_g[None, None, :, None, None]) * k_cp,
             kw_t[None, None, None, :, None] + 4 * kw_i[None, None, None, None, :])
@@ -506,8 +515,8 @@ def _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_s
 def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale, qk_scale, key_pos,
                  row_end, NW: gl.constexpr, NR: gl.constexpr, BLOCK_Q: gl.constexpr, KEY_BITS: gl.constexpr,
                  VALUE_BITS: gl.constexpr, PK: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
-                 WIDE_K: gl.constexpr, WIDE_V: gl.constexpr):
-    """One page per warp (`_load_page`'s ``words``) into the running state: ``acc`` (O^T ``[w, 128, NR]``),
+                 WIDE_K: gl.constexpr, WIDE_V: gl.constexpr, D: gl.constexpr):
+    """One page per warp (`_load_page`'s ``words``) into the running state: ``acc`` (O^T ``[w, D, NR]``),
     the running max ``m_i`` ``[w, NR]``, and per key and column the sums of the weights ``l_i`` and of the
     value zero points' terms ``z_i`` (``[w, 16, NR]`` as the scores with 16 columns, else ``[w, NR]``); returns
     the new state. ``entry``: this lane's codebook entry (`_LANE_ENTRY`; for fp8 keys any int32 tensor of
@@ -531,8 +540,8 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
         kx = gl.broadcast(gl.expand_dims(kwords, 5), entry)[0]
         kc = gl.inline_asm_elementwise(_FP8_ASM, "=r,=r,r,r,r,r", [kx], dtype=gl.bfloat16, is_pure=True,
                                        pack=4)
-        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
-                        [NW, 16, 128])
+        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, D // 16, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                        [NW, 16, D])
         kc = gl.convert_layout(kc, A_L, assert_trivial=True)
     else:
         if KEY_BITS == 3:  # the fields of four codes stand where 4-bit code words do
@@ -544,10 +553,10 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
         kc, ksq = gl.inline_asm_elementwise(_K3_ASM if KEY_BITS == 3 else _K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
                                             [kx, entry], dtype=(gl.bfloat16, gl.float16), is_pure=True, pack=4)
         # [w, h, g, t, i, j1, e] -> K [w, (h, g), (i, j1, t, e)]
-        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
-                        [NW, 16, 128])
-        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, 8, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
-                         [NW, 16, 128])
+        kc = gl.reshape(gl.permute(gl.reshape(kc, [NW, 2, 8, 4, D // 16, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                        [NW, 16, D])
+        ksq = gl.reshape(gl.permute(gl.reshape(ksq, [NW, 2, 8, 4, D // 16, 2, 2]), [0, 1, 2, 4, 5, 3, 6]),
+                         [NW, 16, D])
         kc = gl.convert_layout(kc, A_L, assert_trivial=True)
         ksq = gl.convert_layout(ksq, A_L, assert_trivial=True)
     if WIDE_V:  # a lane's 8 bytes of each of its keys as 2 words of 8 codes [w, h, t, e, g, c]
@@ -563,7 +572,7 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
         vc = gl.inline_asm_elementwise(_V3_ASM if VALUE_BITS == 3 else _V4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
                                        [vx], dtype=gl.bfloat16, is_pure=True, pack=8)
     # [w, h, t, e, g, i, j] -> V^T [w, (i, j, g), (h, t, e)]
-    vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, 128, 16])
+    vc = gl.reshape(gl.permute(vc, [0, 5, 6, 4, 1, 2, 3]), [NW, D, 16])
     vc = gl.convert_layout(vc, A_L, assert_trivial=True)
     vscale = gl.where(ok, vscale.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
     vzero = gl.where(ok, vzero.to(gl.float16, bitcast=True).to(gl.float32), 0.0)
@@ -613,7 +622,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                         SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr,
                         BLOCK_Q: gl.constexpr, NR: gl.constexpr, FUSED_MERGE: gl.constexpr,
                         HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr, WIDE: gl.constexpr,
-                        ROTATE: gl.constexpr):
+                        ROTATE: gl.constexpr, D: gl.constexpr):
     """One (tile of query rows, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
@@ -648,12 +657,15 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     WIDE_K: gl.constexpr = WIDE and KEY_BITS == 4
     WIDE_V: gl.constexpr = WIDE and VALUE_BITS == 4
+    # D = 256: 4-bit or fp8 keys and 4-bit values, by 16-bit loads, the query rotated beforehand (`ineligible`).
+    gl.static_assert(D == 128 or (D == 256 and KEY_BITS != 3 and VALUE_BITS == 4 and not WIDE and not ROTATE),
+                     "D = 256 reads 4-bit or fp8 keys and 4-bit values by 16-bit loads")
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     # K words [w, h, g, t, i] (+ code j): key 8h + g, word t + 4i of the key codes (4 bits, fp8), or
     # field i of four codes (3 bits).
-    PK: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 8, 4], threads_per_warp=[1, 1, 8, 4, 1, 1],
+    PK: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, D // 16, 4], threads_per_warp=[1, 1, 8, 4, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
     if KEY_BITS == 3:
         # Loaded 3-bit key words [w, h, g, t, half, c]: key 8h + g, int16 word 6t + 2 half + c (lane t's
@@ -664,7 +676,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         KW: gl.constexpr = gl.SliceLayout(5, PK)
     # V words [w, h, t, e, g, i] (+ code j): key 8h + 2t + e, word g + 8i of the value codes (4 bits), or
     # word 3g + min(i, 2), cut into fields i of four codes (3 bits).
-    PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, 4, 4], threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
+    PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, D // 32, 4],
+                                        threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
     VW: gl.constexpr = gl.SliceLayout(6, PV)
     # Wide loads: K [w, h, g, t, b, c, half, j]: code j of half `half` of 32-bit word 2b + c of lane t's 16 bytes
@@ -721,7 +734,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
 
     # ---- query^T [w, 128, NR columns] in the B layout, dims permuted to the codes a lane holds (`_query_dims`)
     if not ROTATE:  # (the query as given: rotated already for mse keys)
-        qk = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
+        qk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
         qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
         qcol = gl.expand_dims(gl.expand_dims(_query_dims(qk, a_k, KEY_BITS, WIDE_K), 0), 2)
         qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
@@ -729,7 +742,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         q_row, q_head, q_written, _ = _tile_rows(qrow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
         qoff = q_row * stride_qt + (kv_head * G + q_head) * stride_qh + qcol + qw * 0
         q = gl.load(q_ptr + qoff, mask=q_written & (qcol >= 0) & (qw >= 0), other=0.0)
-    ones = gl.full([NW, 128, NR], 1.0, gl.float16, B_L)
+    ones = gl.full([NW, D, NR], 1.0, gl.float16, B_L)
     # Per column, the end of the keys it sees (read with BLOCK_Q > 1 only)
     _, _, _, row_end = _tile_rows(gl.arange(0, NR, layout=gl.SliceLayout(0, SR)), q_start, q_len, tok0, live,
                                   seq_len, G, BLOCK_Q)
@@ -742,14 +755,14 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         if KEY_BITS == 3:
             k_w, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp)
         else:
-            k_w, k_slot5, k_word5 = _key_words(KW, NW, k_cp)
+            k_w, k_slot5, k_word5 = _key_words(KW, NW, k_cp, D)
         kidx = (k_slot5, k_word5)
     # ---- V words
     if WIDE_V:
         v_w, vidx = _wide_value_indices(gl.SliceLayout(6, gl.SliceLayout(7, PV8)), NW, stride_cp, a_v,
                                                VALUE_WORD)
     else:
-        v_w, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, 4)
+        v_w, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, D // 32)
         v_slot6 = (8 * vw_h + 2 * vw_t + vw_e) * stride_cp
         if VALUE_BITS == 3:  # words 3g .. 3g + 2 (the last read twice): codes 16g .. 16g + 15
             v_word6 = VALUE_WORD + 3 * vw_g + gl.minimum(vw_i, 2)
@@ -761,7 +774,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
 
     if KEY_FP8:
-        entry = gl.zeros([NW, 2, 8, 4, 8, 4], gl.int32, PK)  # (the fp8 words' broadcast shape)
+        entry = gl.zeros([NW, 2, 8, 4, D // 16, 4], gl.int32, PK)  # (the fp8 words' broadcast shape)
         square_scale = 1.0  # (not read)
     else:
         # This lane's codebook entry with its fp16 square (`kernel_math._lane_entry`), the squares scaled by
@@ -775,13 +788,13 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         if WIDE_K:  # (in the wide words' layout)
             entry = _lane_entries(cb_ptr, scale_bits, [NW, 2, 8, 4, 2, 2, 2, 4], PK8, ENTRIES)
         else:
-            entry = _lane_entries(cb_ptr, scale_bits, [NW, 2, 8, 4, 8, 4], PK, ENTRIES)
+            entry = _lane_entries(cb_ptr, scale_bits, [NW, 2, 8, 4, D // 16, 4], PK, ENTRIES)
 
     if WIDE_V:
         vzeros = gl.zeros([NW, 2, 4, 2, 8, 2, 2, 4], gl.int32, PV8)
     else:
-        vzeros = gl.zeros([NW, 2, 4, 2, 8, 4, 4], gl.int32, PV)
-    acc = gl.zeros([NW, 128, NR], gl.float32, MMA)  # O^T: dims x columns
+        vzeros = gl.zeros([NW, 2, 4, 2, 8, D // 32, 4], gl.int32, PV)
+    acc = gl.zeros([NW, D, NR], gl.float32, MMA)  # O^T: dims x columns
     m_i = gl.full([NW, NR], float("-inf"), gl.float32, SR)
     if NR == 16:  # (`_attend_page`)
         l_i = gl.zeros([NW, 16, NR], gl.float32, MMA)
@@ -810,7 +823,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
             key_pos = (page_lo + it * NW + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
                                               square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q,
-                                              KEY_BITS, VALUE_BITS, PK, A_L, B_L, WIDE_K, WIDE_V)
+                                              KEY_BITS, VALUE_BITS, PK, A_L, B_L, WIDE_K, WIDE_V, D)
         words = cur
         cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
                          stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
@@ -819,7 +832,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         key_pos = (page_lo + (it + UNROLL - 1) * NW + sk_w[:, None]) * 16 + sk_n[None, :]
         acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
                                           qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS, VALUE_BITS,
-                                          PK, A_L, B_L, WIDE_K, WIDE_V)
+                                          PK, A_L, B_L, WIDE_K, WIDE_V, D)
 
     # ---- merge the warps
     if NR == 16:
@@ -830,10 +843,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     wsc = gl.exp2(m_i - gl.expand_dims(m_all_safe, 0))
     l_all = gl.sum(l_i * wsc, axis=0)
     z_all = gl.sum(z_i * wsc, axis=0)
-    o = gl.sum(acc * gl.expand_dims(wsc, 1), axis=0)  # [128, NR]
+    o = gl.sum(acc * gl.expand_dims(wsc, 1), axis=0)  # [D, NR]
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
     o = o + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, OL)), 0)
-    on = gl.arange(0, 128, layout=gl.SliceLayout(1, OL))
+    on = gl.arange(0, D, layout=gl.SliceLayout(1, OL))
     orow = gl.arange(0, NR, layout=gl.SliceLayout(0, OL))
     if WIDE_V:  # row 32i + 8j + g holds code j of word i of lane g's rotated window: byte 2i + j // 2
         omem = 2 * ((8 * (on % 8) + 2 * (on // 32) + ((on // 8) % 4) // 2 - a_v + 64) % 64) + ((on // 8) % 4) % 2
@@ -843,7 +856,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
     o_row, o_head, o_written, _ = _tile_rows(orow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
     part = (o_row * num_q_heads + kv_head * G + o_head) * num_splits + split
-    gl.store(part_acc_ptr + part[None, :] * 128 + omem[:, None], o, mask=o_written[None, :] & (omem >= 0)[:, None])
+    gl.store(part_acc_ptr + part[None, :] * D + omem[:, None], o, mask=o_written[None, :] & (omem >= 0)[:, None])
     rr = gl.arange(0, NR, layout=gl.SliceLayout(0, SR))
     r_row, r_head, r_written, _ = _tile_rows(rr, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
     part_r = (r_row * num_q_heads + kv_head * G + r_head) * num_splits + split
@@ -858,7 +871,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         if gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             _fence_gpu(gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0])))
             _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, qsl_ptr, ticket, pid, kv_head,
-                          stride_ot, stride_oh, num_q_heads, num_splits, num_seqs, G, NR, NW, HAS_SINKS, SPLITS_PAD)
+                          stride_ot, stride_oh, num_q_heads, num_splits, num_seqs, G, NR, NW, HAS_SINKS, SPLITS_PAD,
+                          D)
 
 
 @gluon.jit
@@ -870,7 +884,7 @@ def _fence_gpu(x):
 @gluon.jit(noinline=True)
 def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, qsl_ptr, ticket, row, kv_head,
                   stride_ot, stride_oh, num_q_heads, num_splits, num_seqs, G: gl.constexpr, NR: gl.constexpr,
-                  NW: gl.constexpr, HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr):
+                  NW: gl.constexpr, HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr, D: gl.constexpr):
     """Query row ``row``'s ``G`` heads of ``kv_head``: the splits' partials merged into ``out`` (bf16), as
     `decode._decode_merge_kernel` merges them (sinks in the denominator, a NaN denominator gives NaN,
     zeros for rows outside ``[query_start_loc[0], query_start_loc[B])`` and rows that saw no key). Sets
@@ -908,9 +922,9 @@ def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, qsl_
     m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
     part = (row.to(gl.int64) * num_q_heads + head) * num_splits
     c = gl.arange(0, CH, layout=gl.SliceLayout(1, SC))
-    d = gl.arange(0, 128, layout=gl.SliceLayout(0, OL))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
     denom = gl.zeros([NR], gl.float32, COL)
-    o = gl.zeros([NR, 128], gl.float32, OL)
+    o = gl.zeros([NR, D], gl.float32, OL)
     for s0 in range(0, num_splits, CH):
         live = ((s0 + c) < n_live)[:, None] & (r < G)[None, :]
         idx = part[None, :] + (s0 + c)[:, None]  # [CH, NR]
@@ -918,15 +932,15 @@ def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, qsl_
         w = gl.exp2(gl.load(part_m_ptr + idx, mask=live, other=float("-inf"), cache_modifier=".cg")
                     - m_safe[None, :])
         denom += gl.sum(w * gl.load(part_l_ptr + idx, mask=live, other=0.0, cache_modifier=".cg"), axis=0)
-        acc = gl.load(part_acc_ptr + gl.expand_dims(idx * 128, 2) + gl.expand_dims(gl.expand_dims(d, 0), 0),
+        acc = gl.load(part_acc_ptr + gl.expand_dims(idx * D, 2) + gl.expand_dims(gl.expand_dims(d, 0), 0),
                       mask=gl.expand_dims(live, 2), other=0.0, cache_modifier=".cg")
         o += gl.sum(gl.expand_dims(w, 2) * acc, axis=0)
     if HAS_SINKS:
         denom += gl.exp2(sink - m_safe)
     # `!= 0`, not `> 0`: a NaN denominator (NaN query or sink) must give NaN.
-    denom_v = gl.expand_dims(gl.convert_layout(denom, gl.SliceLayout(1, OL)), 1) + gl.zeros([NR, 128], gl.float32, OL)
+    denom_v = gl.expand_dims(gl.convert_layout(denom, gl.SliceLayout(1, OL)), 1) + gl.zeros([NR, D], gl.float32, OL)
     o = gl.where(denom_v != 0.0, gl.div_rn(o, gl.where(denom_v != 0.0, denom_v, 1.0)), 0.0)
-    o = gl.where((gl.zeros([NR, 128], gl.int32, OL) + real.to(gl.int32)) != 0, o, 0.0)
+    o = gl.where((gl.zeros([NR, D], gl.int32, OL) + real.to(gl.int32)) != 0, o, 0.0)
     ro = gl.arange(0, NR, layout=gl.SliceLayout(1, OL))
     gl.store(out_ptr + row.to(gl.int64) * stride_ot + gl.expand_dims((kv_head * G + ro).to(gl.int64) * stride_oh, 1)
              + gl.expand_dims(d, 0), o.to(gl.bfloat16), mask=gl.expand_dims(ro < G, 1))
@@ -939,27 +953,31 @@ def _format_key(fmt: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in fmt.items() if k != "RAW_DTYPE"))
 
 
-def _slot_format(preset: str) -> tuple:
-    """`_format_key` of ``preset``'s slot at D = 128."""
-    return _format_key(config.format_constexprs(tq_spec.layout(preset, HEAD_DIM)))
+def _slot_format(preset: str, head_dim: int = HEAD_DIM) -> tuple:
+    """`_format_key` of ``preset``'s slot at ``head_dim``."""
+    return _format_key(config.format_constexprs(tq_spec.layout(preset, head_dim)))
 
 
-# The presets whose slots the kernel reads (any preset with the same fields would do).
+# The presets whose slots the kernel reads (any preset with the same fields would do), at D = 128, and at D = 256
+# those with 4-bit or fp8 keys and 4-bit values.
 PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
+PRESETS_D256 = ("turboquant_4bit_nc", "turboquant_k8v4")
 # Pages per loop trip (per warp). H200, CUDA-graph replays, a b a b, one trip of 1 -> 2 pages (us): 4bit_nc
 # B=32 x 8k 184 -> 178, B=8 x 32k 182 -> 179, B=128 x 8k 702 -> 690; k3v4_nc 180 -> 175, 178 -> 176,
 # 675 -> 668; 3bit_nc 180 -> 178, 178 -> 179, 657 -> 669; k8v4 158 -> 163, 159 -> 159, 629 -> 645.
 _UNROLL = {"turboquant_4bit_nc": 2, "turboquant_k3v4_nc": 2, "turboquant_3bit_nc": 1, "turboquant_k8v4": 1}
 # Their slot formats and the kernel's constexprs for each: 3- or 4-bit norm-corrected mse keys or fp8 keys,
 # 3- or 4-bit uniform values, fields as int16 word offsets.
+_UNROLL_D256 = {"turboquant_4bit_nc": 1, "turboquant_k8v4": 1}
 _FORMATS = {}
-for _preset in PRESETS:
-    _fmt = dict(_slot_format(_preset))
-    _FORMATS[_slot_format(_preset)] = dict(
-        KEY_BITS=8 if _fmt["KEY_FORMAT"] == config.KEY_FP8 else _fmt["KEY_BITS"],
-        KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2, VALUE_BITS=_fmt["VALUE_BITS"],
-        VALUE_WORD=_fmt["VALUE_OFF"] // 2, SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
-        ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2, UNROLL=_UNROLL[_preset])
+for _d, _presets, _unroll in ((HEAD_DIM, PRESETS, _UNROLL), (256, PRESETS_D256, _UNROLL_D256)):
+    for _preset in _presets:
+        _fmt = dict(_slot_format(_preset, _d))
+        _FORMATS[_slot_format(_preset, _d)] = dict(
+            KEY_BITS=8 if _fmt["KEY_FORMAT"] == config.KEY_FP8 else _fmt["KEY_BITS"],
+            KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2, VALUE_BITS=_fmt["VALUE_BITS"],
+            VALUE_WORD=_fmt["VALUE_OFF"] // 2, SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
+            ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2, UNROLL=_unroll[_preset], D=_d)
 # Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
 ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
 # Process switch (``TQ_GLUON_FUSED_MERGE=0``): decode steps then merge their splits in
@@ -990,7 +1008,8 @@ FUSED_MERGE_MAX_SPLITS = 4
 # The slots whose decode steps merge in the kernel. Not k3v4_nc's: with the merge's call in the kernel its
 # key loop spills (3 local loads and stores per trip in the Triton 3.6 sm_90a build; none before), and
 # its B=32 x 8k row went 0.1763 -> 0.1868 ms (3bit_nc 0.1812 -> 0.1806, no spill).
-MERGES_IN_KERNEL = tuple(_slot_format(p) for p in ("turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"))
+MERGES_IN_KERNEL = tuple([_slot_format(p) for p in ("turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4")]
+                         + [_slot_format(p, 256) for p in PRESETS_D256])
 
 
 def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, num_tokens: int, num_seqs: int,
@@ -1006,8 +1025,12 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
         return "needs a CUDA device (no interpreter)"
     if torch.cuda.get_device_capability(device)[0] != 9:
         return "built and measured for sm_90 (H100/H200) only"
-    if _format_key(fmt) not in _FORMATS:
-        return f"reads the {', '.join(PRESETS)} slots at D={HEAD_DIM} only"
+    slot = _FORMATS.get(_format_key(fmt))
+    if slot is None:
+        return (f"reads the {', '.join(PRESETS)} slots at D={HEAD_DIM} and the {', '.join(PRESETS_D256)} slots at "
+                f"D=256 only")
+    if slot["D"] != HEAD_DIM and num_tokens > num_seqs:
+        return f"reads several query tokens per sequence at D={HEAD_DIM} only"
     if page != PAGE_SIZE or n < 1:
         return f"needs {PAGE_SIZE}-slot pages and at least one block"
     if num_q_heads % hkv or num_q_heads // hkv > MAX_GROUP:
@@ -1041,7 +1064,7 @@ def aligned(spec: DecodeSpec, kv_cache: torch.Tensor) -> bool:
 
 
 def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs: int, max_context: int,
-               device: torch.device) -> int:
+               device: torch.device, head_dim: int = HEAD_DIM) -> int:
     """Splits per (row, kv head), from static shapes only (CUDA-graph safe).
 
     About 6 programs per SM in all (two waves of `PROGRAMS_PER_SM`) where the batch has 64 or more
@@ -1049,15 +1072,18 @@ def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs
     split and the partials under budget. H200, CUDA-graph replays, GQA 4 (us, best / this rule):
     B=32 x 8k 182 / 182 (3 splits), B=128 x 8k 689 / 689 (1), B=64 x 4k 187 / 187 (2),
     B=16 x 8k 96 / 102 (6), B=8 x 32k 176 / 180 (12), B=4 x 4k 23.7 / 23.7 (8), B=2 x 8k 23.6 / 23.6
-    (16), B=1 x 32k 34.9 at 32 (this rule: 33), B=1 x 4k 14.2 / 14.2 (16).
+    (16), B=1 x 32k 34.9 at 32 (this rule: 33), B=1 x 4k 14.2 / 14.2 (16). At D = 256 (``head_dim``) one wave
+    of `D256_PROGRAMS_PER_SM` instead.
     """
     block_q, _ = tile_shape(num_tokens=num_tokens, num_seqs=num_seqs, group=num_q_heads // num_kv_heads)
     programs = max(1, -(-num_tokens // block_q) * num_kv_heads)
     resident, waves = (PROGRAMS_PER_SM, WAVES) if block_q == 1 else (MULTI_PROGRAMS_PER_SM, MULTI_WAVES)
+    if head_dim != HEAD_DIM:
+        resident, waves = D256_PROGRAMS_PER_SM, D256_WAVES
     per_sm = resident * waves if programs >= 64 else WAVES
     splits = max(1, round(per_sm * config.sm_count(device) / programs))
     splits = max(1, min(splits, max_context // (PAGE_SIZE * MIN_SPLIT_PAGES), config._MAX_SPLITS))
-    per_split = num_tokens * num_q_heads * (HEAD_DIM + 2) * 4
+    per_split = num_tokens * num_q_heads * (head_dim + 2) * 4
     while splits > 1 and splits * per_split > config._PARTIALS_BUDGET:
         splits //= 2
     return splits
@@ -1091,7 +1117,8 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
     slot = _FORMATS[_format_key(fmt)]
     group = num_q_heads // num_kv_heads
     block_q, nr = tile_shape(num_tokens=num_tokens, num_seqs=num_seqs, group=group)
-    maxnreg = MAXNREG if block_q == 1 else MULTI_MAXNREG
+    d = slot["D"]
+    maxnreg = (MAXNREG if d == HEAD_DIM else D256_MAXNREG) if block_q == 1 else MULTI_MAXNREG
     # Decode steps with few splits merge in the kernel (the last split of each row); tiles of several
     # tokens keep the merge kernel, which also zeroes the padding rows that no tile reaches.
     fused = (FUSED_MERGE and block_q == 1 and num_splits <= FUSED_MERGE_MAX_SPLITS
@@ -1106,10 +1133,10 @@ def decode_spec(fmt: dict, *, num_tokens: int, num_q_heads: int, num_kv_heads: i
     # Tile ids as `attention_kernel.tiles_spec` numbers them: sequence b's from s[b] // BLOCK_Q + b.
     tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     merge = None if fused else kernel_site(_decode_merge_kernel, dict(
-        SPLITS_PAD=splits_pad, D=HEAD_DIM, D_PAD=HEAD_DIM, HAS_SINKS=has_sinks, OUT_DTYPE=tl.bfloat16,
+        SPLITS_PAD=splits_pad, D=d, D_PAD=d, HAS_SINKS=has_sinks, OUT_DTYPE=tl.bfloat16,
         INTERPRET=False, num_warps=4))
     return DecodeSpec(split, (tiles, num_kv_heads, num_splits), merge, (num_tokens, num_q_heads),
-                      rows * (HEAD_DIM + 2), (rows * HEAD_DIM, rows, rows), num_splits, num_seqs,
+                      rows * (d + 2), (rows * d, rows, rows), num_splits, num_seqs,
                       max_blocks * PAGE_SIZE, slot, tiles * num_kv_heads if fused else 0, split_narrow, rotates)
 
 
@@ -1143,11 +1170,12 @@ def ticket_counters(device: torch.device, numel: int) -> torch.Tensor:
 def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cache_i16: torch.Tensor,
                        centroids: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor], sm_scale: float,
-                       rotation_signs: torch.Tensor, rotation_scale: float) -> None:
-    """Decode into ``out`` ``[T, Hq, 128]`` bf16: the kernel, then the merge kernel unless the spec
-    merges in the kernel (`DecodeSpec.tickets`).
+                       rotation_signs: torch.Tensor, rotation_scale: float, first: Optional[Launch] = None) -> None:
+    """Decode into ``out`` ``[T, Hq, D]`` bf16: the kernel, then the merge kernel unless the spec
+    merges in the kernel (`DecodeSpec.tickets`); ``first`` (the query rotation that fills ``q``), if given,
+    right before them, once every argument is ready (`launcher.Launch`).
 
-    ``q``: the query ``[T, Hq, 128]`` bf16, last dim contiguous; for mse keys rotated by
+    ``q``: the query ``[T, Hq, D]`` bf16, last dim contiguous; for mse keys rotated by
     `rotation.rotate_query`, except where the spec ``rotates``: then as given, and ``rotation_signs`` (bf16
     ``[128, 128]``, row-major) and ``rotation_scale`` are ``Pi``'s (`rotation.QueryRotation.sign_rows`; any
     tensor otherwise); ``cache_i16``: the cache ``uint8[N, 16, Hkv, slot_bytes]`` viewed as int16 (for
@@ -1170,11 +1198,14 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     counters = ticket_counters(q.device, tickets) if tickets else part_m
     if not wide_loads(cs):
         split = split_narrow
-    split(grid, (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l,
-                 out, sinks, counters, rotation_signs),
-          (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
-           cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len,
-           outs[0], outs[1], cache_i16.data_ptr() % 8, float(rotation_scale)))
+    tensors = (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, part_acc, part_m, part_l,
+               out, sinks, counters, rotation_signs)
+    scalars = (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
+               cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len,
+               outs[0], outs[1], cache_i16.data_ptr() % 8, float(rotation_scale))
+    if first is not None:
+        first()
+    split(grid, tensors, scalars)
     if merge is not None:
         merge(merge_grid, (part_acc, part_m, part_l, sinks, out, query_start_loc), (outs[0], outs[1], hq, splits,
                                                                                     num_seqs))

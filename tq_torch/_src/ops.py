@@ -21,7 +21,7 @@ import tq_spec
 from . import config, gluon_decode, params
 from .decode import decode_spec, launch_decode_spec
 from .extend import launch_extend
-from .rotation import QueryRotation, query_rotation, rotate_query
+from .rotation import QueryRotation, query_rotation, rotate_query, rotation_launch
 from .store import launch_store_kv
 from .workspace import launch_dequant
 
@@ -127,7 +127,7 @@ def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: tor
     hkv = kv_cache.shape[2]
     splits = num_splits or gluon_decode.num_splits(
         num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, num_seqs=num_seqs,
-        max_context=max_blocks * kv_cache.shape[1], device=kv_cache.device)
+        max_context=max_blocks * kv_cache.shape[1], device=kv_cache.device, head_dim=query.shape[-1])
     return gluon_decode.decode_spec(fmt, num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, num_seqs=num_seqs,
                                     max_blocks=max_blocks, num_splits=splits, has_sinks=sinks is not None)
 
@@ -157,6 +157,7 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
              and gluon_decode.aligned(plan.gluon, kv_cache))
     q = query if query.stride(-1) == 1 else query.contiguous()
     rot_signs, rot_scale = q, 1.0  # (read by a Gluon launch that rotates the query only)
+    rotate_first = None  # the decode paths' query rotation, issued right before their kernels
     if fmt["KEY_FORMAT"] == config.KEY_MSE:
         cents = centroids if centroids is not None else plan.centroids
         # q_rot = Pi @ q once per call, in the query's dtype (`rotation.rotate_query`); scores are
@@ -168,6 +169,8 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
                 rot_signs, rot_scale = rot.sign_rows, rot.scale
             else:
                 q, rot_signs = rotate_query(query, rot), params.identity_rows(d, query.dtype, query.device)
+        elif path == "decode":
+            q, rotate_first = rotation_launch(query, rot)
         else:
             q = rotate_query(query, rot)
     else:
@@ -177,11 +180,13 @@ def paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, block_tabl
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     if gluon:
         gluon_decode.launch_decode_spec(plan.gluon, q, out, cache_i16, cents, block_table, seq_lens,
-                                        query_start_loc, sinks, float(scale), rot_signs, rot_scale)
+                                        query_start_loc, sinks, float(scale), rot_signs, rot_scale,
+                                        first=rotate_first)
         return
     if path == "decode":
         launch_decode_spec(plan.decode, q, out, kv_cache, cache_i16, cents, block_table, seq_lens,
-                           query_start_loc, sinks, float(scale), float(logits_soft_cap), int(sliding_window))
+                           query_start_loc, sinks, float(scale), float(logits_soft_cap), int(sliding_window),
+                           first=rotate_first)
         return
     common = dict(
         fmt=fmt, sm_scale=float(scale), softcap=float(logits_soft_cap), window=int(sliding_window),

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import config, params
 from .kernel_math import to_dtype_rne
-from .launcher import KernelSite, kernel_site
+from .launcher import KernelSite, Launch, kernel_site
 from .store import ROT_SIGNS, load_rotation, rotate_general, rotate_signs, rotation_operand
 
 _BLOCK_R = 64
@@ -96,6 +96,15 @@ def rotate_query(query: torch.Tensor, rotation: QueryRotation) -> torch.Tensor:
 
     ``rotation``: `query_rotation` of the query's dtype and device.
     """
+    out, launch = rotation_launch(query, rotation)
+    if launch is not None:
+        launch()
+    return out
+
+
+def rotation_launch(query: torch.Tensor, rotation: QueryRotation) -> tuple:
+    """`rotate_query` not yet issued: ``(out, launch)``, the rotated query's buffer ``[T, Hq, D]`` and the
+    `launcher.Launch` that fills it (None for ``T = 0``), for a caller that issues it next to its own launches."""
     t, hq, _ = query.shape
     strides = query.stride()
     if strides[-1] != 1:
@@ -103,9 +112,8 @@ def rotate_query(query: torch.Tensor, rotation: QueryRotation) -> torch.Tensor:
         strides = query.stride()
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if t == 0:
-        return out
+        return out, None
     n_rows = t * hq
     # Plain int division: `triton.cdiv` is a constexpr function in Triton 3.9, microseconds of host time.
-    rotation.site((-(-n_rows // rotation.block_r),), (query, out, rotation.operand),
-                  (n_rows, hq, strides[0], strides[1], rotation.scale))
-    return out
+    return out, Launch(rotation.site, (-(-n_rows // rotation.block_r),), (query, out, rotation.operand),
+                       (n_rows, hq, strides[0], strides[1], rotation.scale))
