@@ -408,10 +408,11 @@ def _splits() -> list[Sweep]:
                              seqs=((3000, 1), (17, 1), (1, 1), (0, 0), (700, 1), (64, 1), (33, 1), (2, 1),
                                    (129, 1)), decode_splits=(1, 64)),
               {"preset": ("turboquant_4bit_nc",)}, modes=("full",)),
-        # D = 256 decode steps: on sm_90, tq_torch's Gluon decode reads 4bit_nc and k8v4 slots at this D too.
+        # D = 256 decode steps: on sm_90, tq_torch's Gluon decode reads the TurboQuant slots at this D too.
         Sweep("splits", dict(head_dim=256, num_q_heads=8, num_kv_heads=2, block_size=16,
                              seqs=((3000, 1), (17, 1), (1, 1), (0, 0)), decode_splits=(1, 64)),
-              {"preset": ("turboquant_4bit_nc", "turboquant_k8v4")}, modes=("full",)),
+              {"preset": ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")},
+              modes=("full",)),
     ]
 
 

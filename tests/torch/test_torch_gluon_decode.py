@@ -29,7 +29,7 @@ from tq_torch_testlib import AttnCase, build, check_against_reference
 
 # The slots the kernel reads: at D = 128, and at D = 256 (decode steps).
 PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
-PRESETS_D256 = ("turboquant_4bit_nc", "turboquant_k8v4")
+PRESETS_D256 = PRESETS
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -67,7 +67,8 @@ print(kernel.asm["ttgir"])
 
 
 _DOTS = {"turboquant_4bit_nc": 3, "turboquant_k3v4_nc": 3, "turboquant_3bit_nc": 3, "turboquant_k8v4": 2}
-_KEY_LOOP_BUILDS = ([(preset, q_len, loads, 128) for preset in PRESETS for q_len in (1, 4) for loads in ("wide", "narrow")]
+_KEY_LOOP_BUILDS = ([(preset, q_len, loads, 128) for preset in PRESETS for q_len in (1, 4)
+                     for loads in ("wide", "narrow")]
                     + [(preset, 1, "narrow", 256) for preset in PRESETS_D256])
 
 
@@ -127,8 +128,7 @@ D256_GUARD_CASE = _decode_case("guards_d256", (700, 90, 2100), 16, 4, sinks=True
 _GUARDS = ([(p, c) for c in (GUARD_CASE, MULTI_GUARD_CASE) for p in PRESETS]
            + [(p, D256_GUARD_CASE) for p in PRESETS_D256])
 GUARD_CASES = pytest.mark.parametrize("preset,guard_case", _GUARDS, ids=[f"{p}-{c.name}" for p, c in _GUARDS])
-# D = 256: decode steps take the kernel (4-bit and fp8 keys, 4-bit values); several query tokens per sequence
-# keep the Triton kernels.
+# D = 256: decode steps take the kernel; several query tokens per sequence keep the Triton kernels.
 D256_CASES = (
     _decode_case("d256_lengths_gqa16_4", (1, 5, 15, 16, 17, 33, 4100), 16, 4, head_dim=256),
     _decode_case("d256_gqa8_1", (300, 4096), 8, 1, head_dim=256),

@@ -2,13 +2,13 @@
 
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
 (4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys), ``turboquant_3bit_nc`` (3-bit keys and
-values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, and decode steps of ``turboquant_4bit_nc``
-and ``turboquant_k8v4`` slots at D = 256 (`PRESETS_D256`: the same loads and dots over twice the
-dims, 16-bit loads only); page size 16, a GQA group of at most 8, a bfloat16 query and output, an
-sm_90 device, sinks; no sliding window or soft cap (those calls keep the Triton kernels). Decode steps (``T <= B``) run one program per query row, the GQA group as 8
-columns; batches with several query tokens per sequence (speculative verification, ``T > B``) run
-tiles of the decode path's ``16 // G`` tokens x ``G`` heads (`tile_shape`) as 16 columns, each key
-decoded once for the whole tile, causal per column. Same function, partials and merge as `decode`;
+values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, and decode steps of the same slots at
+D = 256 (`PRESETS_D256`: the same loads and dots over twice the dims, 16-bit loads only); page size
+16, a GQA group of at most 8, a bfloat16 query and output, an sm_90 device, sinks; no sliding window
+or soft cap (those calls keep the Triton kernels). Decode steps (``T <= B``) run one program per
+query row, the GQA group as 8 columns; batches with several query tokens per sequence (speculative
+verification, ``T > B``) run tiles of the decode path's ``16 // G`` tokens x ``G`` heads (`tile_shape`)
+as 16 columns, each key decoded once for the whole tile, causal per column. Same function, partials and merge as `decode`;
 the same metadata guards (`_token_owner`, `_find_tile`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
@@ -135,6 +135,10 @@ _K3_FIELDS_ASM = gl.constexpr(
     + _fields_of_48_bits(("$11", "$14", "$15"), ("$4", "$5", "$6", "$7")) + "}")
 # Operands of the two field cutters: eight fields out, eight words in.
 _FIELDS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
+# D = 256: a lane's 192 bits of 3-bit key codes as four runs of three int16 words, each read with the next run's
+# first word ($4..$7, the last unused) -> its four fields ($0..$3).
+_K3_RUN_FIELDS_ASM = gl.constexpr("{ .reg .b32 y; " + _fields_of_48_bits(("$4", "$5", "$6"), ("$0", "$1", "$2", "$3"))
+                                  + "}")
 
 
 def _value_codes_asm(bits: int) -> str:
@@ -345,10 +349,15 @@ def _grid6(L: gl.constexpr, N0: gl.constexpr, N1: gl.constexpr, N2: gl.constexpr
 
 
 @gluon.jit
-def _key_words_3bit(KW: gl.constexpr, NW: gl.constexpr, k_cp):
-    """`_key_words` for 3-bit codes, ``[w, h, g, t, half, c]``: word ``6t + 2 half + c`` of key ``8h + g``."""
-    w, h, g, t, half, c = _grid6(KW, NW, 2, 8, 4, 2, 4)
-    return w, (8 * h + g) * k_cp, 6 * t + 2 * half + c
+def _key_words_3bit(KW: gl.constexpr, NW: gl.constexpr, k_cp, D: gl.constexpr):
+    """`_key_words` for 3-bit codes, ``[w, h, g, t, half, c]``: word ``6t + 2 half + c`` of key ``8h + g``; at D = 256
+    ``[w, h, g, t, run, c]``: word ``12t + 3 run + c`` (lane t's codes ``64t ..``, four runs of three words)."""
+    if D == 128:
+        w, h, g, t, half, c = _grid6(KW, NW, 2, 8, 4, 2, 4)
+        return w, (8 * h + g) * k_cp, 6 * t + 2 * half + c
+    else:
+        w, h, g, t, run, c = _grid6(KW, NW, 2, 8, 4, 4, 4)
+        return w, (8 * h + g) * k_cp, 12 * t + 3 * run + c
 
 
 @gluon.jit
@@ -468,15 +477,15 @@ def _tile_rows(r, q_start, q_len, tok0, live, seq_len, G: gl.constexpr, BLOCK_Q:
 
 
 @gluon.jit
-def _query_dims(k, a_k, KEY_BITS: gl.constexpr, WIDE_K: gl.constexpr):
+def _query_dims(k, a_k, KEY_BITS: gl.constexpr, WIDE_K: gl.constexpr, D: gl.constexpr):
     """The query dim that the score dot's K index ``k`` (any layout) stands for: the dims permuted to the codes a
     lane holds, ``k = 16i + 8j1 + 2t + e`` <- ``16i + 4t + 2j1 + e`` (word ``t + 4i``, code ``2j1 + e``), for 3 bits
-    ``32t + 4i + 2j1 + e`` (lane t's codes); wide 4-bit loads: code ``e`` of byte ``(16t + 2i + j1 - a_k) mod 64``
+    ``(D / 4) t + 4i + 2j1 + e`` (lane t's codes); wide 4-bit loads: code ``e`` of byte ``(16t + 2i + j1 - a_k) mod 64``
     (`_wide_key_indices`)."""
     if WIDE_K:
         return 2 * ((16 * ((k // 2) % 4) + 2 * (k // 16) + (k // 8) % 2 - a_k + 64) % 64) + k % 2
     elif KEY_BITS == 3:
-        return 32 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
+        return (D // 4) * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
     else:
         return 16 * (k // 16) + 4 * ((k // 2) % 4) + 2 * ((k // 8) % 2) + k % 2
 
@@ -495,7 +504,7 @@ def _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_s
     R2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     RA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=R2, k_width=2)
     RB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=R2, k_width=2)
-    dims = _query_dims(gl.arange(0, 128, layout=gl.SliceLayout(1, RA)), a_k, KEY_BITS, WIDE_K)
+    dims = _query_dims(gl.arange(0, 128, layout=gl.SliceLayout(1, RA)), a_k, KEY_BITS, WIDE_K, 128)
     ka = gl.arange(0, 16, layout=gl.SliceLayout(0, RA))
     kb = gl.arange(0, 16, layout=gl.SliceLayout(1, RB))
     q_row, q_head, q_written, _ = _tile_rows(gl.arange(0, NR, layout=gl.SliceLayout(0, RB)), q_start, q_len, tok0,
@@ -545,9 +554,13 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
         kc = gl.convert_layout(kc, A_L, assert_trivial=True)
     else:
         if KEY_BITS == 3:  # the fields of four codes stand where 4-bit code words do
-            kwords = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _FIELDS_CONSTRAINTS, [kwords], dtype=gl.int32,
-                                               is_pure=True, pack=8)
-            kwords = gl.convert_layout(gl.reshape(kwords, [NW, 2, 8, 4, 8]), gl.SliceLayout(5, PK),
+            if D == 128:
+                kwords = gl.inline_asm_elementwise(_K3_FIELDS_ASM, _FIELDS_CONSTRAINTS, [kwords], dtype=gl.int32,
+                                                   is_pure=True, pack=8)
+            else:
+                kwords = gl.inline_asm_elementwise(_K3_RUN_FIELDS_ASM, "=r,=r,=r,=r,r,r,r,r", [kwords],
+                                                   dtype=gl.int32, is_pure=True, pack=4)
+            kwords = gl.convert_layout(gl.reshape(kwords, [NW, 2, 8, 4, D // 16]), gl.SliceLayout(5, PK),
                                        assert_trivial=True)
         kx = gl.broadcast(gl.expand_dims(kwords, 5), entry)[0]
         kc, ksq = gl.inline_asm_elementwise(_K3_ASM if KEY_BITS == 3 else _K4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
@@ -657,9 +670,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     WIDE_K: gl.constexpr = WIDE and KEY_BITS == 4
     WIDE_V: gl.constexpr = WIDE and VALUE_BITS == 4
-    # D = 256: 4-bit or fp8 keys and 4-bit values, by 16-bit loads, the query rotated beforehand (`ineligible`).
-    gl.static_assert(D == 128 or (D == 256 and KEY_BITS != 3 and VALUE_BITS == 4 and not WIDE and not ROTATE),
-                     "D = 256 reads 4-bit or fp8 keys and 4-bit values by 16-bit loads")
+    # D = 256: decode steps (`ineligible`), by 16-bit loads, the query rotated beforehand.
+    gl.static_assert(D == 128 or (D == 256 and not WIDE and not ROTATE), "D = 256 reads by 16-bit loads")
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -669,13 +681,16 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
     if KEY_BITS == 3:
         # Loaded 3-bit key words [w, h, g, t, half, c]: key 8h + g, int16 word 6t + 2 half + c (lane t's
-        # 96 bits: codes 32t..32t+31; words 2 and 3 are read twice, keeping the shape a power of two).
-        KW: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 2, 4], threads_per_warp=[1, 1, 8, 4, 1, 1],
+        # 96 bits: codes 32t..32t+31; words 2 and 3 are read twice, keeping the shape a power of two). D = 256:
+        # [w, h, g, t, run, c], word 12t + 3 run + c (lane t's 192 bits, each run of three words read with the
+        # next word).
+        KW: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, D // 64, 4],
+                                            threads_per_warp=[1, 1, 8, 4, 1, 1],
                                             warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
     else:
         KW: gl.constexpr = gl.SliceLayout(5, PK)
     # V words [w, h, t, e, g, i] (+ code j): key 8h + 2t + e, word g + 8i of the value codes (4 bits), or
-    # word 3g + min(i, 2), cut into fields i of four codes (3 bits).
+    # word (3D / 128) g + 3 (i // 4) + min(i % 4, 2), cut into fields i of four codes (3 bits).
     PV: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 1, D // 32, 4],
                                         threads_per_warp=[1, 1, 4, 1, 8, 1, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1], order=[3, 6, 5, 2, 4, 1, 0])
@@ -736,7 +751,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     if not ROTATE:  # (the query as given: rotated already for mse keys)
         qk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
         qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
-        qcol = gl.expand_dims(gl.expand_dims(_query_dims(qk, a_k, KEY_BITS, WIDE_K), 0), 2)
+        qcol = gl.expand_dims(gl.expand_dims(_query_dims(qk, a_k, KEY_BITS, WIDE_K, D), 0), 2)
         qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
         qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
         q_row, q_head, q_written, _ = _tile_rows(qrow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
@@ -753,7 +768,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         k_w, kidx = _wide_key_indices(gl.SliceLayout(6, gl.SliceLayout(7, PK8)), NW, stride_cp, a_k)
     else:
         if KEY_BITS == 3:
-            k_w, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp)
+            k_w, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp, D)
         else:
             k_w, k_slot5, k_word5 = _key_words(KW, NW, k_cp, D)
         kidx = (k_slot5, k_word5)
@@ -764,8 +779,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     else:
         v_w, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, D // 32)
         v_slot6 = (8 * vw_h + 2 * vw_t + vw_e) * stride_cp
-        if VALUE_BITS == 3:  # words 3g .. 3g + 2 (the last read twice): codes 16g .. 16g + 15
-            v_word6 = VALUE_WORD + 3 * vw_g + gl.minimum(vw_i, 2)
+        if VALUE_BITS == 3:  # runs of words 3r .. 3r + 2 (the last read twice): codes (D / 8) g ..
+            v_word6 = VALUE_WORD + (3 * D // 128) * vw_g + 3 * (vw_i // 4) + gl.minimum(vw_i % 4, 2)
         else:
             v_word6 = VALUE_WORD + vw_g + 8 * vw_i
         vidx = (v_slot6, v_word6)
@@ -850,8 +865,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     orow = gl.arange(0, NR, layout=gl.SliceLayout(0, OL))
     if WIDE_V:  # row 32i + 8j + g holds code j of word i of lane g's rotated window: byte 2i + j // 2
         omem = 2 * ((8 * (on % 8) + 2 * (on // 32) + ((on // 8) % 4) // 2 - a_v + 64) % 64) + ((on // 8) % 4) % 2
-    elif VALUE_BITS == 3:  # row 32i + 8j + g holds code j of field i of lane g's codes 16g .. 16g + 15
-        omem = 16 * (on % 8) + 4 * (on // 32) + (on // 8) % 4
+    elif VALUE_BITS == 3:  # row 32i + 8j + g holds code j of field i of lane g's codes (D / 8) g ..
+        omem = (D // 8) * (on % 8) + 4 * (on // 32) + (on // 8) % 4
     else:  # ... nibble j of value word g + 8i
         omem = 32 * (on // 32) + 4 * (on % 8) + (on // 8) % 4
     o_row, o_head, o_written, _ = _tile_rows(orow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
@@ -958,17 +973,17 @@ def _slot_format(preset: str, head_dim: int = HEAD_DIM) -> tuple:
     return _format_key(config.format_constexprs(tq_spec.layout(preset, head_dim)))
 
 
-# The presets whose slots the kernel reads (any preset with the same fields would do), at D = 128, and at D = 256
-# those with 4-bit or fp8 keys and 4-bit values.
+# The presets whose slots the kernel reads (any preset with the same fields would do), at D = 128 and (decode
+# steps) at D = 256.
 PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
-PRESETS_D256 = ("turboquant_4bit_nc", "turboquant_k8v4")
+PRESETS_D256 = PRESETS
 # Pages per loop trip (per warp). H200, CUDA-graph replays, a b a b, one trip of 1 -> 2 pages (us): 4bit_nc
 # B=32 x 8k 184 -> 178, B=8 x 32k 182 -> 179, B=128 x 8k 702 -> 690; k3v4_nc 180 -> 175, 178 -> 176,
 # 675 -> 668; 3bit_nc 180 -> 178, 178 -> 179, 657 -> 669; k8v4 158 -> 163, 159 -> 159, 629 -> 645.
 _UNROLL = {"turboquant_4bit_nc": 2, "turboquant_k3v4_nc": 2, "turboquant_3bit_nc": 1, "turboquant_k8v4": 1}
 # Their slot formats and the kernel's constexprs for each: 3- or 4-bit norm-corrected mse keys or fp8 keys,
 # 3- or 4-bit uniform values, fields as int16 word offsets.
-_UNROLL_D256 = {"turboquant_4bit_nc": 1, "turboquant_k8v4": 1}
+_UNROLL_D256 = dict.fromkeys(PRESETS_D256, 1)
 _FORMATS = {}
 for _d, _presets, _unroll in ((HEAD_DIM, PRESETS, _UNROLL), (256, PRESETS_D256, _UNROLL_D256)):
     for _preset in _presets:
@@ -1027,8 +1042,7 @@ def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, n
         return "built and measured for sm_90 (H100/H200) only"
     slot = _FORMATS.get(_format_key(fmt))
     if slot is None:
-        return (f"reads the {', '.join(PRESETS)} slots at D={HEAD_DIM} and the {', '.join(PRESETS_D256)} slots at "
-                f"D=256 only")
+        return f"reads the {', '.join(PRESETS)} slots at D={HEAD_DIM} (and D=256) only"
     if slot["D"] != HEAD_DIM and num_tokens > num_seqs:
         return f"reads several query tokens per sequence at D={HEAD_DIM} only"
     if page != PAGE_SIZE or n < 1:

@@ -338,7 +338,7 @@ def ineligible(preset_name: str, *, key_dtype: torch.dtype, value_dtype: torch.d
 def _lane_dims() -> np.ndarray:
     """The key dim that the dot's K index ``k = 16j + 8j1 + 2t + e`` stands for: ``16j + 4t + 2j1 + e`` (lane t's
     8-byte loads): the Gluon decode's map of its 4-bit query dims (`gluon_decode._query_dims`), run on the host."""
-    return _query_dims.fn(np.arange(HEAD_DIM), 0, 4, False)
+    return _query_dims.fn(np.arange(HEAD_DIM), 0, 4, False, HEAD_DIM)
 
 
 def _rotated_dims(key_bits: int) -> np.ndarray:
