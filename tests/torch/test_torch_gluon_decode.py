@@ -169,31 +169,17 @@ def _rows(built, seq):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
+@pytest.mark.parametrize("case", GPU_CASES + D256_CASES, ids=[c.name for c in GPU_CASES + D256_CASES])
 @pytest.mark.parametrize("num_splits", (0, 1, 3, 16))
 def test_gpu_gluon_decode_matches_reference(preset, case, num_splits, monkeypatch):
-    """The default path of a decode of these presets on sm_90 runs the Gluon kernel, through the parity tolerance
-    (0 = the automatic split count users get)."""
+    """The default path of a decode of these presets on sm_90 runs the Gluon kernel (decode steps at D = 256 too),
+    through the parity tolerance (0 = the automatic split count users get)."""
     built = build(case, preset, dev=torch.device("cuda"))
     counting = _Counting(monkeypatch)
     out = _run(built, num_splits=num_splits)
     assert counting.calls == 1, "the decode path did not take the Gluon kernel"
     check_against_reference(built, out)
     # A second call relaunches the kept compiled kernel (`launcher.KernelSite`): same bits.
-    assert torch.equal(_run(built, num_splits=num_splits), out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("preset", PRESETS_D256)
-@pytest.mark.parametrize("case", D256_CASES, ids=[c.name for c in D256_CASES])
-@pytest.mark.parametrize("num_splits", (0, 1, 3, 16))
-def test_gpu_gluon_decode_d256_matches_reference(preset, case, num_splits, monkeypatch):
-    """D = 256 decode steps take the Gluon kernel by default, through the parity tolerance."""
-    built = build(case, preset, dev=torch.device("cuda"))
-    counting = _Counting(monkeypatch)
-    out = _run(built, num_splits=num_splits)
-    assert counting.calls == 1, "the decode path did not take the Gluon kernel"
-    check_against_reference(built, out)
     assert torch.equal(_run(built, num_splits=num_splits), out)
 
 
