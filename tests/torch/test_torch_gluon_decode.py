@@ -29,7 +29,6 @@ from tq_torch_testlib import AttnCase, build, check_against_reference
 
 # The slots the kernel reads: at D = 128, and at D = 256 (decode steps).
 PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
-PRESETS_D256 = PRESETS
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,7 +68,7 @@ print(kernel.asm["ttgir"])
 _DOTS = {"turboquant_4bit_nc": 3, "turboquant_k3v4_nc": 3, "turboquant_3bit_nc": 3, "turboquant_k8v4": 2}
 _KEY_LOOP_BUILDS = ([(preset, q_len, loads, 128) for preset in PRESETS for q_len in (1, 4)
                      for loads in ("wide", "narrow")]
-                    + [(preset, 1, "narrow", 256) for preset in PRESETS_D256])
+                    + [(preset, 1, "narrow", 256) for preset in PRESETS])
 
 
 @pytest.mark.parametrize("preset,q_len,loads,head_dim", _KEY_LOOP_BUILDS,
@@ -101,8 +100,7 @@ def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, q_len, loa
 
 def _decode_case(name, seq_lens, hq, hkv, q_lens=None, sinks=False, head_dim=128):
     return AttnCase(name, seq_lens=seq_lens, q_lens=q_lens or (1,) * len(seq_lens), num_q_heads=hq,
-                    num_kv_heads=hkv, head_dim=head_dim, page=16, presets=PRESETS if head_dim == 128 else PRESETS_D256,
-                    sinks=sinks)
+                    num_kv_heads=hkv, head_dim=head_dim, page=16, presets=PRESETS, sinks=sinks)
 
 
 GPU_CASES = (
@@ -126,7 +124,7 @@ GUARD_CASE = _decode_case("guards", (700, 90, 2100), 32, 8, sinks=True)
 MULTI_GUARD_CASE = _decode_case("guards_multi", (700, 90, 2100), 32, 8, q_lens=(3, 2, 3), sinks=True)
 D256_GUARD_CASE = _decode_case("guards_d256", (700, 90, 2100), 16, 4, sinks=True, head_dim=256)
 _GUARDS = ([(p, c) for c in (GUARD_CASE, MULTI_GUARD_CASE) for p in PRESETS]
-           + [(p, D256_GUARD_CASE) for p in PRESETS_D256])
+           + [(p, D256_GUARD_CASE) for p in PRESETS])
 GUARD_CASES = pytest.mark.parametrize("preset,guard_case", _GUARDS, ids=[f"{p}-{c.name}" for p, c in _GUARDS])
 # D = 256: decode steps take the kernel; several query tokens per sequence keep the Triton kernels.
 D256_CASES = (
@@ -184,7 +182,7 @@ def test_gpu_gluon_decode_matches_reference(preset, case, num_splits, monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", PRESETS_D256)
+@pytest.mark.parametrize("preset", PRESETS)
 def test_gpu_d256_tiles_of_several_tokens_keep_the_triton_decode(preset, monkeypatch):
     """At D = 256 only decode steps take the kernel: several query tokens per sequence run the Triton decode."""
     case = _decode_case("d256_multi", (40, 3000), 16, 4, q_lens=(4, 3), head_dim=256)

@@ -3,7 +3,7 @@
 The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
 (4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys), ``turboquant_3bit_nc`` (3-bit keys and
 values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, and decode steps of the same slots at
-D = 256 (`PRESETS_D256`: the same loads and dots over twice the dims, 16-bit loads only); page size
+D = 256 (the same loads and dots over twice the dims, 16-bit loads only, one page per trip); page size
 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90 device, sinks; no sliding window
 or soft cap (those calls keep the Triton kernels). Decode steps (``T <= B``) run one program per
 query row, the GQA group as 8 columns; batches with several query tokens per sequence (speculative
@@ -976,23 +976,21 @@ def _slot_format(preset: str, head_dim: int = HEAD_DIM) -> tuple:
 # The presets whose slots the kernel reads (any preset with the same fields would do), at D = 128 and (decode
 # steps) at D = 256.
 PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k8v4")
-PRESETS_D256 = PRESETS
 # Pages per loop trip (per warp). H200, CUDA-graph replays, a b a b, one trip of 1 -> 2 pages (us): 4bit_nc
 # B=32 x 8k 184 -> 178, B=8 x 32k 182 -> 179, B=128 x 8k 702 -> 690; k3v4_nc 180 -> 175, 178 -> 176,
 # 675 -> 668; 3bit_nc 180 -> 178, 178 -> 179, 657 -> 669; k8v4 158 -> 163, 159 -> 159, 629 -> 645.
 _UNROLL = {"turboquant_4bit_nc": 2, "turboquant_k3v4_nc": 2, "turboquant_3bit_nc": 1, "turboquant_k8v4": 1}
-# Their slot formats and the kernel's constexprs for each: 3- or 4-bit norm-corrected mse keys or fp8 keys,
-# 3- or 4-bit uniform values, fields as int16 word offsets.
-_UNROLL_D256 = dict.fromkeys(PRESETS_D256, 1)
+# Their slot formats at D = 128 and 256 and the kernel's constexprs for each: 3- or 4-bit norm-corrected mse keys
+# or fp8 keys, 3- or 4-bit uniform values, fields as int16 word offsets; one page per trip at D = 256 (`D256_*`).
 _FORMATS = {}
-for _d, _presets, _unroll in ((HEAD_DIM, PRESETS, _UNROLL), (256, PRESETS_D256, _UNROLL_D256)):
-    for _preset in _presets:
+for _d in (HEAD_DIM, 256):
+    for _preset in PRESETS:
         _fmt = dict(_slot_format(_preset, _d))
         _FORMATS[_slot_format(_preset, _d)] = dict(
             KEY_BITS=8 if _fmt["KEY_FORMAT"] == config.KEY_FP8 else _fmt["KEY_BITS"],
             KEY_NORM_WORD=_fmt["KEY_NORM_OFF"] // 2, VALUE_BITS=_fmt["VALUE_BITS"],
             VALUE_WORD=_fmt["VALUE_OFF"] // 2, SCALE_WORD=_fmt["VALUE_SCALE_OFF"] // 2,
-            ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2, UNROLL=_unroll[_preset], D=_d)
+            ZERO_WORD=_fmt["VALUE_ZERO_OFF"] // 2, UNROLL=_UNROLL[_preset] if _d == HEAD_DIM else 1, D=_d)
 # Process switch (``TQ_GLUON_DECODE=0``): the decode path then always runs the Triton kernels.
 ENABLED = os.environ.get("TQ_GLUON_DECODE", "1") != "0"
 # Process switch (``TQ_GLUON_FUSED_MERGE=0``): decode steps then merge their splits in
@@ -1024,7 +1022,7 @@ FUSED_MERGE_MAX_SPLITS = 4
 # key loop spills (3 local loads and stores per trip in the Triton 3.6 sm_90a build; none before), and
 # its B=32 x 8k row went 0.1763 -> 0.1868 ms (3bit_nc 0.1812 -> 0.1806, no spill).
 MERGES_IN_KERNEL = tuple([_slot_format(p) for p in ("turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4")]
-                         + [_slot_format(p, 256) for p in PRESETS_D256])
+                         + [_slot_format(p, 256) for p in PRESETS])
 
 
 def ineligible(fmt: dict, *, query_dtype: torch.dtype, out_dtype: torch.dtype, num_tokens: int, num_seqs: int,
