@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import tq_torch
+from tq_gluon import decode as shared_decode
 from tq_torch._src.api import _paged_attention
 from tq_torch_testlib import AttnCase, build, check_against_reference
 
@@ -39,28 +40,19 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from tq_torch._src import gluon_decode
 
-slot = gluon_decode._FORMATS[gluon_decode._slot_format(sys.argv[1], int(sys.argv[4]))]
-block_q, nr = gluon_decode.tile_shape(num_tokens=int(sys.argv[2]), num_seqs=1, group=4)
-spec = gluon_decode.decode_spec(gluon_decode.config.format_constexprs(gluon_decode.tq_spec.layout(sys.argv[1],
-                                                                                                  int(sys.argv[4]))),
-                                num_tokens=int(sys.argv[2]), num_q_heads=4, num_kv_heads=1, num_seqs=1, max_blocks=4,
-                                num_splits=1, has_sinks=True)
-maxnreg = spec.split.constexprs.get("maxnreg")
-ints = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn", "k_stride_cp",
-        "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens")
-consts = dict(G=4, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=block_q == 1, HAS_SINKS=True, SPLITS_PAD=16,
-              WIDE=sys.argv[3] == "wide", ROTATE=block_q > 1 and slot["KEY_BITS"] != 8)
-sig = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr="*i32" if slot["KEY_BITS"] == 8 else "*i16", cb_ptr="*fp32",
-           bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", part_acc_ptr="*fp32", part_m_ptr="*fp32",
-           part_l_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*fp32", ticket_ptr="*i32", rot_ptr="*bf16",
-           **{n: "i32" for n in ints}, qk_scale="fp32", max_seq_len="i32", stride_ot="i32", stride_oh="i32",
-           base_mod8="i32", rot_scale="fp32",
-           **{k: "constexpr" for k in consts})
-src = GluonASTSource(gluon_decode.gluon_decode_kernel, sig, constexprs=consts, attrs={})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=4, **({} if maxnreg is None else dict(maxnreg=maxnreg))))
+import tq_spec
+from tq_gluon import decode
+
+lay = tq_spec.layout(sys.argv[1], int(sys.argv[4]))
+shape = decode.launch_shape(lay, num_tokens=int(sys.argv[2]), num_q_heads=4, num_kv_heads=1, num_seqs=1,
+                            max_blocks=4, num_splits=1, has_sinks=True)
+options = {k: v for k, v in shape.constexprs.items() if k in ("num_warps", "maxnreg")}
+consts = {k: v for k, v in shape.constexprs.items() if k not in options}
+consts.update(SPLITS_PAD=16, WIDE=sys.argv[3] == "wide")
+sig = dict(decode.kernel_signature(shape.slot), **{k: "constexpr" for k in consts})
+src = GluonASTSource(decode.gluon_decode_kernel, sig, constexprs=consts, attrs={})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 print(kernel.asm["ttgir"])
 """
 
@@ -92,9 +84,7 @@ def test_gluon_decode_key_loop_has_no_shared_memory(tmp_path, preset, q_len, loa
     for op in ("ttg.local_alloc", "ttg.local_load", "ttg.local_store", "gpu.barrier"):
         assert op not in loops[0], f"{op} in the key loop"
     # Q K^T, V^T P^T, and for mse keys the squares' ones row, for each page of a loop trip.
-    from tq_torch._src import gluon_decode
-
-    pages = gluon_decode._FORMATS[gluon_decode._slot_format(preset, head_dim)]["UNROLL"]
+    pages = shared_decode._FORMATS[shared_decode._slot_format(preset, head_dim)]["UNROLL"]
     assert loops[0].count("tt.dot") == _DOTS[preset] * pages
 
 
@@ -200,7 +190,7 @@ def test_gpu_gluon_decode_agrees_with_the_triton_decode(preset, monkeypatch):
 
     built = build(GPU_CASES[0], preset, dev=torch.device("cuda"))
     fast = _run(built)
-    monkeypatch.setattr(gluon_decode, "ENABLED", False)
+    monkeypatch.setattr(shared_decode, "ENABLED", False)
     ops._attention_setup.cache_clear()
     try:
         counting = _Counting(monkeypatch)
@@ -221,7 +211,7 @@ def test_the_kernel_rotates_the_query_where_its_spec_says():
     import tq_spec
 
     for preset in PRESETS:
-        fmt = config.format_constexprs(tq_spec.layout(preset, 128))
+        fmt = tq_spec.layout(preset, 128)
         for num_tokens in (8, 32):
             spec = gluon_decode.decode_spec(fmt, num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, num_seqs=8,
                                             max_blocks=64, num_splits=2, has_sinks=False)
@@ -262,7 +252,7 @@ def test_gpu_gluon_decode_rotations_and_query_views_match_reference(preset, q_le
     assert counting.calls == 1
     check_against_reference(built, out)
     if rotation is None and sum(q_lens) > len(q_lens):  # (tiles of several tokens: the kernel rotated the query)
-        monkeypatch.setattr(gluon_decode, "ROTATE_IN_KERNEL", False)
+        monkeypatch.setattr(shared_decode, "ROTATE_IN_KERNEL", False)
         ops._attention_setup.cache_clear()
         try:
             host = _run(built)
@@ -406,7 +396,7 @@ def test_wide_loads_where_they_won_and_where_the_strides_allow(preset, num_token
 
     import tq_spec
 
-    fmt = config.format_constexprs(tq_spec.layout(preset, 128))
+    fmt = tq_spec.layout(preset, 128)
     spec = gluon_decode.decode_spec(fmt, num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, num_seqs=8,
                                     max_blocks=64, num_splits=2, has_sinks=False)
     assert spec.split.constexprs["WIDE"] == wide
@@ -433,8 +423,8 @@ def test_gpu_gluon_decode_wide_loads_match_reference(preset, case, offset, monke
 
     import tq_spec
 
-    fmt = gluon_decode._format_key(config.format_constexprs(tq_spec.layout(preset, 128)))
-    monkeypatch.setattr(gluon_decode, "WIDE_SLOTS", frozenset({(fmt, False), (fmt, True)}))
+    fmt = shared_decode.slot_key(tq_spec.layout(preset, 128))
+    monkeypatch.setattr(shared_decode, "WIDE_SLOTS", frozenset({(fmt, False), (fmt, True)}))
     ops._attention_setup.cache_clear()
     try:
         built = build(case, preset, dev=torch.device("cuda"))
@@ -465,7 +455,7 @@ def test_decode_steps_with_few_splits_merge_in_the_kernel(preset, num_tokens, nu
 
     import tq_spec
 
-    fmt = config.format_constexprs(tq_spec.layout(preset, 128))
+    fmt = tq_spec.layout(preset, 128)
     spec = gluon_decode.decode_spec(fmt, num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, num_seqs=8,
                                     max_blocks=64, num_splits=num_splits, has_sinks=False)
     assert (spec.merge is None) == fused
@@ -489,7 +479,7 @@ def test_gpu_gluon_decode_fused_merge_matches_the_merge_kernel(preset, num_split
     torch.cuda.synchronize()
     for buf in gluon_decode._TICKETS_KEPT:
         assert not buf.any(), "a ticket counter was left non-zero"
-    monkeypatch.setattr(gluon_decode, "FUSED_MERGE", False)
+    monkeypatch.setattr(shared_decode, "FUSED_MERGE", False)
     ops._attention_setup.cache_clear()
     try:
         merged = _run(padded, num_splits=num_splits)

@@ -24,6 +24,7 @@ import torch
 import tq_spec
 import tq_torch
 from parity.tolerances import compare_store
+from tq_gluon import store as shared_store
 from tq_torch._src import gluon_store, store
 
 PRESETS = gluon_store.PRESETS
@@ -36,20 +37,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import tq_spec
-from tq_torch._src import config, gluon_store
+from tq_gluon import store
 
-fmt = config.format_constexprs(tq_spec.layout(sys.argv[1], 128))
-consts = {k: fmt[k] for k in ("KEY_BITS", "KEY_NORM_OFF", "VALUE_BITS", "VALUE_OFF", "VALUE_SCALE_OFF",
-                              "VALUE_ZERO_OFF")}
-consts.update(HKV=8, PAGE_SIZE=16)
-ints = ("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cn_w", "stride_cp_w", "stride_ch_w", "n_rows",
-        "num_slots", "n_tiles")
-sig = dict(key_ptr="*bf16", value_ptr="*bf16", cache_ptr="*i16", slot_ptr="*i64", rot_ptr="*bf16", mid_ptr="*fp32",
-           **{n: "i32" for n in ints}, rot_scale="fp32", **{k: "constexpr" for k in consts})
+consts = store.kernel_constexprs(sys.argv[1], num_kv_heads=8, page_size=16)
+options = {k: consts.pop(k) for k in ("num_warps", "maxnreg")}
+sig = dict(store.kernel_signature("*i64"), **{k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
-src = GluonASTSource(gluon_store.gluon_store_kernel, sig, constexprs=consts, attrs=attrs)
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=gluon_store.NW.value, maxnreg=gluon_store.MAXNREG))
+src = GluonASTSource(store.gluon_store_kernel, sig, constexprs=consts, attrs=attrs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 print(kernel.asm["ttgir"])
 print("=== SASS")
 path = os.path.join(os.environ["TRITON_CACHE_DIR"], "k.cubin")
@@ -87,7 +82,7 @@ def test_gluon_store_tile_loop_has_no_barrier(tmp_path, preset):
 
 def _triton_store(monkeypatch, *args, **kwargs):
     with monkeypatch.context() as m:
-        m.setattr(gluon_store, "ENABLED", False)
+        m.setattr(shared_store, "ENABLED", False)
         tq_torch.store_kv(*args, **kwargs)
 
 

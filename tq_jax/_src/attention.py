@@ -19,7 +19,7 @@ from jax import lax
 import tq_spec
 from tq_spec.dispatch import PATHS, problem_for, select_path
 
-from . import config
+from . import config, gluon_decode
 from . import kernel_math as km
 from .attention_kernel import AttentionConfig
 from .cache_access import CacheWords, needs_word_view, to_word_view
@@ -355,6 +355,17 @@ def _attend(query, kv_cache, block_table, seq_lens, query_start_loc, sinks, rota
                        preset_name=workspace_preset(query.dtype), scale=scale, sliding_window=sliding_window,
                        logits_soft_cap=logits_soft_cap, path="extend", num_splits=None, interpret=interpret,
                        word_view=None, poison=poison)
+    if path == "decode" and sliding_window is None and logits_soft_cap is None and kv_cache.dtype == jnp.uint8:
+        why = gluon_decode.ineligible(lay, query_dtype=query.dtype, num_tokens=t, num_seqs=block_table.shape[0],
+                                      num_q_heads=hq, kv_cache_shape=tuple(kv_cache.shape), interpret=interpret)
+        if why is None:
+            # The decode path's kernel on sm_90, shared with tq_torch (`gluon_decode`): same function, same
+            # metadata guards; calls with a window or a soft cap keep the Pallas kernels.
+            ns = num_splits or gluon_decode.num_splits(
+                num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, num_seqs=block_table.shape[0],
+                max_context=block_table.shape[1] * page, head_dim=d)
+            return gluon_decode.decode(q.astype(query.dtype), kv_cache, centroids, block_table, seq_lens,
+                                       query_start_loc, sinks, layout=lay, scale=scale, num_splits=int(ns))
     d_pad = config.padded_head_dim(d)
     # Constant table entries on the GPU's decode path (`kv_tiles.TileSpec.key_entries`; the public
     # op passes them for batches of `CONSTANT_ENTRY_MIN_SEQS` sequences or more). Their loop runs

@@ -54,6 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 
 import tq_spec
 
+from . import gluon_store
 from . import kernel_math as km
 from .cache_access import WordFields, from_word_view, needs_word_view, to_word_view
 from .config import fp8_hardware_convert
@@ -145,7 +146,8 @@ def store_kv(key, value, kv_cache, slot_mapping, *, preset, rotation=None, codeb
     rot, rot_form, mid_mode = store_operands(lay, kp, rotation, codebook, key.dtype)
     fn = _store_kv_donated if donate_cache else _store_kv
     return fn(key, value, kv_cache, slot_mapping, rot, kp.midpoints, preset_name=lay.preset.name,
-              interpret=interpret, rotation_form=rot_form, midpoint_mode=mid_mode)
+              interpret=interpret, rotation_form=rot_form, midpoint_mode=mid_mode,
+              default_tables=rotation is None and codebook is None)
 
 
 # --------------------------------------------------------------------------- host-side operand forms
@@ -206,7 +208,7 @@ def store_operands(lay, kp, rotation, codebook, key_dtype):
 
 
 def _store_kv_impl(key, value, kv_cache, slot_mapping, rotation, midpoints, *, preset_name, interpret,
-                   rotation_form, midpoint_mode):
+                   rotation_form, midpoint_mode, default_tables=False):
     n, p = kv_cache.shape[:2]
     # Memory safety whatever the values: a slot outside the cache is skipped
     # (compared before narrowing, so an int64 slot cannot wrap into range).
@@ -216,13 +218,13 @@ def _store_kv_impl(key, value, kv_cache, slot_mapping, rotation, midpoints, *, p
     def call(key, value, kv_cache, slots, rotation, midpoints):
         return by_lowering_platform(
             functools.partial(store_kv_call, preset_name=preset_name, rotation_form=rotation_form,
-                              midpoint_mode=midpoint_mode),
+                              midpoint_mode=midpoint_mode, default_tables=default_tables),
             key, value, kv_cache, slots, rotation, midpoints, interpret=interpret)
 
     return not_differentiable("tq_jax.store_kv", call)(key, value, kv_cache, slots, rotation, midpoints)
 
 
-_STORE_STATIC = ("preset_name", "interpret", "rotation_form", "midpoint_mode")
+_STORE_STATIC = ("preset_name", "interpret", "rotation_form", "midpoint_mode", "default_tables")
 _store_kv = jax.jit(_store_kv_impl, static_argnames=_STORE_STATIC)
 # The cache buffer is reused for the output (the kernel aliases it).
 _store_kv_donated = jax.jit(_store_kv_impl, static_argnames=_STORE_STATIC, donate_argnums=(2,))
@@ -307,7 +309,7 @@ def store_tiles(d_pad: int, key_format: str, rot_mode: int, in_bytes: int, inter
 
 def store_kv_call(key, value, kv_cache, slot_mapping, rotation, midpoints, *, preset_name: str,
                   interpret: bool | None, word_view: bool | None = None, rotation_form=None,
-                  midpoint_mode: int | None = None):
+                  midpoint_mode: int | None = None, default_tables: bool = False):
     """The bare `pallas_call` (no validation, no int64 slot narrowing); traced inside `_store_kv`.
 
     ``rotation``: mse presets: the operand `store_operands` made (``S^T`` in
@@ -318,13 +320,20 @@ def store_kv_call(key, value, kv_cache, slot_mapping, rotation, midpoints, *, pr
     not written. `interpret` None falls back to `interpret_default()` (direct
     calls in tests); `word_view` None picks the cache view from its size
     (`needs_word_view`); tests force True/False to run both kernel variants
-    on small caches.
+    on small caches. ``default_tables``: ``rotation`` and ``midpoints`` are the preset's defaults (static;
+    the Gluon store on sm_90 writes those only, `gluon_store`).
     """
     t, hkv, d = key.shape
     if t == 0:
         return kv_cache
     if interpret is None:
         interpret = interpret_default()
+    n, page = kv_cache.shape[:2]
+    if gluon_store.ineligible(preset_name, key_dtype=key.dtype, value_dtype=value.dtype, head_dim=d,
+                              num_slots=n * page, default_tables=default_tables, interpret=interpret) is None:
+        # The store's kernel on sm_90, shared with tq_torch (`gluon_store`): same bytes as the Pallas store
+        # but for key codes at bucket boundaries, as the contract allows.
+        return gluon_store.store(key, value, kv_cache, slot_mapping, midpoints, preset_name=preset_name)
     lay = tq_spec.layout(preset_name, d)
     p = lay.preset
     if word_view is None:
@@ -333,7 +342,6 @@ def store_kv_call(key, value, kv_cache, slot_mapping, rotation, midpoints, *, pr
     rot_mode, rot_scale = rotation_form if (mse and rotation_form is not None) else (ROT_GENERAL, 1.0)
     d_pad = max(16, km.next_pow2(d))
     tiles = store_tiles(d_pad, p.key_format, rot_mode, jnp.dtype(key.dtype).itemsize, interpret)
-    n, page = kv_cache.shape[:2]
     cfg = StoreConfig(
         lay=lay, fields=WordFields.of(lay), word_view=word_view, num_kv_heads=hkv, block_size=page,
         num_slots=n * page, n_rows=t * hkv, head_dim_padded=d_pad, in_dtype=jnp.dtype(key.dtype).name,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tq_gluon.decode import LANE_ENTRY_SQUARES_PTX
+
 # fp8 e4m3fn: smallest normal 2**-6 (fp32 bit pattern), largest finite 448.
 # (Globals read inside @triton.jit must be tl.constexpr on the GPU compiler.)
 _FP32_BITS_2_POW_M6 = tl.constexpr(121 << 23)
@@ -85,12 +87,8 @@ def dot(a, b, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, acc=None):
 _LANE_ENTRY_F32 = tl.constexpr(
     "{ .reg .u32 l; .reg .b64 a; mov.u32 l, %laneid; and.b32 l, l, $2; mad.wide.u32 a, l, 4, $1; "
     "ld.global.nc.f32 $0, [a]; }")
-_LANE_ENTRY_SQUARES = (
-    "{ .reg .u32 l; .reg .b64 a; .reg .f32 c, s; .reg .b16 lo, hi; mov.u32 l, %laneid; and.b32 l, l, $2; "
-    "mad.wide.u32 a, l, 4, $1; ld.global.nc.f32 c, [a]; CVT lo, c; mul.rn.f32 s, c, $3; mul.rn.f32 s, s, s; "
-    "cvt.rn.f16.f32 hi, s; mov.b32 $0, {lo, hi}; }")
-_LANE_ENTRY_BF16_SQUARES = tl.constexpr(_LANE_ENTRY_SQUARES.replace("CVT", "cvt.rn.bf16.f32"))
-_LANE_ENTRY_F16_SQUARES = tl.constexpr(_LANE_ENTRY_SQUARES.replace("CVT", "cvt.rn.f16.f32"))
+_LANE_ENTRY_BF16_SQUARES = tl.constexpr(LANE_ENTRY_SQUARES_PTX.replace("CVT", "cvt.rn.bf16.f32"))
+_LANE_ENTRY_F16_SQUARES = tl.constexpr(LANE_ENTRY_SQUARES_PTX.replace("CVT", "cvt.rn.f16.f32"))
 # `table_lookup_with_squares`' PTX for a pack of two elements: $2, $3 indices, $4, $5 entries.
 _SHUFFLE_PAIRS = tl.constexpr(
     "{ .reg .b32 e0, e1; shfl.sync.idx.b32 e0, $4, $2, 0x1f, 0xffffffff; "

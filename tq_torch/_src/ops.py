@@ -86,7 +86,7 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
         rot = query_rotation(preset, d, None, query.dtype, dev)
     gluon = None
     if path == "decode":
-        gluon = _gluon_spec(fmt, query, out, kv_cache, block_table, sinks, num_splits, interpret)
+        gluon = _gluon_spec(tq_spec.layout(preset, d), query, out, kv_cache, block_table, sinks, num_splits, interpret)
         n, page, hkv, _ = kv_cache.shape
         num_seqs, max_blocks = block_table.shape
         block_m = config.decode_block_m(hq // hkv)
@@ -109,7 +109,7 @@ def _plan(setup, preset: str, path: str, query: torch.Tensor, kv_cache: torch.Te
     return plan
 
 
-def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+def _gluon_spec(layout: tq_spec.Layout, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                 block_table: torch.Tensor, sinks: Optional[torch.Tensor], num_splits: int,
                 interpret: bool) -> Optional[tuple]:
     """`gluon_decode.decode_spec` where the Gluon decode may run this call's static shapes, else None.
@@ -120,7 +120,7 @@ def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: tor
     """
     t, hq, _ = query.shape
     num_seqs, max_blocks = block_table.shape
-    if gluon_decode.ineligible(fmt, query_dtype=query.dtype, out_dtype=out.dtype, num_tokens=t, num_seqs=num_seqs,
+    if gluon_decode.ineligible(layout, query_dtype=query.dtype, out_dtype=out.dtype, num_tokens=t, num_seqs=num_seqs,
                                num_q_heads=hq, kv_cache_shape=tuple(kv_cache.shape), device=kv_cache.device,
                                interpret=interpret) is not None:
         return None
@@ -128,7 +128,7 @@ def _gluon_spec(fmt: dict, query: torch.Tensor, out: torch.Tensor, kv_cache: tor
     splits = num_splits or gluon_decode.num_splits(
         num_kv_heads=hkv, num_tokens=t, num_q_heads=hq, num_seqs=num_seqs,
         max_context=max_blocks * kv_cache.shape[1], device=kv_cache.device, head_dim=query.shape[-1])
-    return gluon_decode.decode_spec(fmt, num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, num_seqs=num_seqs,
+    return gluon_decode.decode_spec(layout, num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, num_seqs=num_seqs,
                                     max_blocks=max_blocks, num_splits=splits, has_sinks=sinks is not None)
 
 

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+import tq_gluon.store
 import tq_spec
 
 from . import config, gluon_store, params
@@ -709,7 +710,7 @@ def launch_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     defaults = rotation is None and midpoints is None
-    if defaults and gluon_store.ENABLED and _takes_gluon(preset_name, key.dtype, value.dtype, d, dev):
+    if defaults and tq_gluon.store.ENABLED and _takes_gluon(preset_name, key.dtype, value.dtype, d, dev):
         gluon_store.launch(gluon_store.store_plan(preset_name, hkv, p, dev), key, value, kv_cache, slot_mapping)
         return
     if defaults:

@@ -1,0 +1,124 @@
+"""tq_jax's store on the shared Gluon kernel (`tq_jax._src.gluon_store`, `tq_gluon.store`).
+
+On the CPU: which calls it declines. On an sm_90 GPU (``pytest -m gpu``): `tq_jax.store_kv` with the
+preset's default tables runs it, writes the float64 reference's bytes (exact fields) into canary-filled
+caches, skips bad slots, updates a donated cache in place, and agrees with the Pallas store when it is off.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tq_jax
+from parity.tolerances import compare_store
+from tq_gluon import store as shared
+from tq_jax._src import gluon_store, launcher
+
+PRESETS = shared.PRESETS
+
+
+def test_the_store_kernel_declines_what_it_does_not_write():
+    common = dict(head_dim=128, num_slots=1024, default_tables=True, interpret=False)
+    assert "interpreter" in gluon_store.ineligible("turboquant_4bit_nc", key_dtype=jnp.bfloat16,
+                                                  value_dtype=jnp.bfloat16, **dict(common, interpret=True))
+    assert "bfloat16" in gluon_store.ineligible("turboquant_4bit_nc", key_dtype=jnp.float16,
+                                                value_dtype=jnp.float16, **common)
+    assert "default" in gluon_store.ineligible("turboquant_3bit_nc", key_dtype=jnp.bfloat16,
+                                               value_dtype=jnp.bfloat16, **dict(common, default_tables=False))
+    assert "slots" in gluon_store.ineligible("turboquant_k8v4", key_dtype=jnp.bfloat16, value_dtype=jnp.bfloat16,
+                                             **common)
+    assert "D=128" in gluon_store.ineligible("turboquant_4bit_nc", key_dtype=jnp.bfloat16,
+                                             value_dtype=jnp.bfloat16, **dict(common, head_dim=256))
+
+
+def _on_sm90() -> bool:
+    try:
+        return launcher.unavailable() is None
+    except Exception:  # noqa: BLE001 (no GPU backend at all)
+        return False
+
+
+gpu = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU, jaxlib > 0.10.2 and triton")
+
+
+class _Counting:
+    """Counts traces of the Gluon store."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = gluon_store.store
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(gluon_store, "store", counted)
+        jax.clear_caches()
+
+
+def _inputs(preset, t, hkv, n, p, seed):
+    """A canary-filled cache, bf16 K/V, and slots: a permutation of the cache's with -1 and out-of-range ones."""
+    import tq_spec
+
+    rng = np.random.default_rng(zlib.crc32(f"{preset}/{t}/{hkv}/{n}/{p}/{seed}".encode()))
+    lay = tq_spec.layout(preset, 128)
+    cache = rng.integers(0, 256, (n, p, hkv, lay.slot_bytes), dtype=np.uint8)
+    key = (rng.standard_normal((t, hkv, 128)) * 5).astype(ml_dtypes.bfloat16)
+    value = (rng.standard_normal((t, hkv, 128)) + 0.5).astype(ml_dtypes.bfloat16)
+    slots = rng.permutation(n * p)[:t].astype(np.int32)
+    slots[::7] = -1
+    slots[3::11] = n * p + 5
+    return cache, key, value, slots
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("t,hkv,n,p", [(1, 8, 4, 16), (63, 2, 40, 16), (1000, 4, 80, 48), (77, 3, 300, 1),
+                                       (5000, 8, 400, 16)])
+def test_gpu_store_kv_takes_the_gluon_store_and_writes_the_reference_bytes(preset, t, hkv, n, p, monkeypatch):
+    cache, key, value, slots = _inputs(preset, t, hkv, n, p, 0)
+    counting = _Counting(monkeypatch)
+    got = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
+                          preset=preset)
+    assert counting.calls == 1
+    in_cache = np.where(slots < n * p, slots, -1)  # (the comparison reads slots in the cache only)
+    cmp = compare_store(np.asarray(got), key.astype(np.float32), value.astype(np.float32), cache, in_cache,
+                        preset=preset, field_ulps=0)
+    assert cmp.ok, cmp.describe()
+    monkeypatch.setattr(shared, "ENABLED", False)
+    counting = _Counting(monkeypatch)
+    pallas = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
+                             preset=preset)
+    assert counting.calls == 0
+    # Same bytes as the Pallas store but for codes at bucket boundaries (fp32 sums in another order).
+    differ = int((np.asarray(got) != np.asarray(pallas)).sum())
+    assert differ <= max(2, cache.size // 20000), f"{differ} bytes differ from the Pallas store"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gluon_store_bad_slots_write_nothing_and_donation_updates_in_place(monkeypatch):
+    preset = "turboquant_4bit_nc"
+    cache, key, value, _ = _inputs(preset, 64, 8, 4, 16, 2)
+    counting = _Counting(monkeypatch)
+    for slots in (np.full(64, -1), np.arange(64) + 64, np.arange(64) - 2**20):
+        got = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache),
+                              jnp.asarray(slots.astype(np.int32)), preset=preset)
+        assert np.array_equal(np.asarray(got), cache), f"slots {slots[:3].tolist()}...: bytes changed"
+    assert counting.calls >= 1
+    slots = np.arange(64, dtype=np.int32)
+    donated = jnp.asarray(cache)
+    pointer = donated.unsafe_buffer_pointer()
+    out = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), donated, jnp.asarray(slots), preset=preset,
+                          donate_cache=True)
+    assert out.unsafe_buffer_pointer() == pointer
+    cmp = compare_store(np.asarray(out), key.astype(np.float32), value.astype(np.float32), cache, slots,
+                        preset=preset, field_ulps=0)
+    assert cmp.ok, cmp.describe()
