@@ -84,7 +84,8 @@ class TorchBench:
 
 
 class JaxBench:
-    """tq_jax (Pallas Triton lowering on a GPU, interpret mode on CPU); calls compiled ahead of time."""
+    """tq_jax (Pallas Triton lowering and, on sm_90, the shared Gluon kernels on a GPU; interpret mode on CPU);
+    calls compiled ahead of time."""
 
     name = "jax"
 

@@ -23,7 +23,14 @@ class JaxLeg(KernelModuleLeg):
     def describe(self) -> str:
         import jaxlib
 
-        mode = "Pallas interpret mode" if self.interpreted else "Pallas Triton lowering"
+        if self.interpreted:
+            mode = "Pallas interpret mode"
+        else:
+            from tq_jax._src.launcher import unavailable
+
+            gluon = unavailable()
+            mode = "Pallas Triton lowering; " + ("Gluon decode and store kernels through jaxlib's Triton call"
+                                                 if gluon is None else f"no Gluon kernels: {gluon}")
         return (f"jax: tq_jax on jax {self._jax.__version__}, jaxlib {jaxlib.__version__}, "
                 f"backend {self.backend} ({mode})")
 
