@@ -25,8 +25,8 @@ import pytest
 import tq_jax
 import tq_spec
 from tq_gluon import decode as shared
-from tq_jax._src import gluon_decode, launcher
-from tqjax_cases import attend, attention_failure, build_attention_case
+from tq_jax._src import gluon_decode
+from tqjax_cases import CountingTraces, attend, attention_failure, build_attention_case, needs_gluon
 
 PRESETS = shared.PRESETS
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,31 +96,6 @@ def test_tq_jax_build_of_the_kernel_compiles_for_sm90(tmp_path):
     assert f"'{shared.MAXNREG}'" in line, line
 
 
-def _on_sm90() -> bool:
-    try:
-        return launcher.unavailable() is None
-    except Exception:  # noqa: BLE001 (no GPU backend at all)
-        return False
-
-
-gpu = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU, jaxlib > 0.10.2 and triton")
-
-
-class _Counting:
-    """Counts traces of the Gluon decode (each `jax.jit` trace of a decode that takes it)."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        original = gluon_decode.decode
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(gluon_decode, "decode", counted)
-        jax.clear_caches()
-
-
 def _case(preset, name, *, seq_lens=(1, 5, 15, 16, 17, 33, 700, 4100), q_lens=None, hq=32, hkv=8, head_dim=128,
           sinks=True):
     """A bf16 decode batch over a garbage-filled cache (`tqjax_cases.build_attention_case`), one token per
@@ -132,7 +107,7 @@ def _case(preset, name, *, seq_lens=(1, 5, 15, 16, 17, 33, 700, 4100), q_lens=No
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gluon
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("shape", ["gqa32_8", "gqa8_1", "gqa24_8_multi", "d256"])
 def test_gpu_public_op_takes_the_gluon_decode_and_matches_reference(preset, shape, monkeypatch):
@@ -143,7 +118,7 @@ def test_gpu_public_op_takes_the_gluon_decode_and_matches_reference(preset, shap
               gqa24_8_multi=dict(hq=24, hkv=8, seq_lens=(900, 33, 5), q_lens=(7, 1, 5)),
               d256=dict(hq=16, hkv=4, head_dim=256))[shape]
     case = _case(preset, shape, **kw)
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_decode, "decode")
     out = tq_jax.paged_attention(*case.jax_args(), preset=case.preset, **case.jax_kwargs())
     assert counting.calls == 1
     failure = attention_failure(case, out)
@@ -151,7 +126,7 @@ def test_gpu_public_op_takes_the_gluon_decode_and_matches_reference(preset, shap
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gluon
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("num_splits", [1, 3, 4, 5, 16])
 def test_gpu_in_kernel_merge_and_xla_merge_match_reference(preset, num_splits, monkeypatch):
@@ -159,7 +134,7 @@ def test_gpu_in_kernel_merge_and_xla_merge_match_reference(preset, num_splits, m
     `MERGES_IN_KERNEL`); otherwise the kernel's log2-domain partials go to the XLA merge. Sinks, an empty
     sequence (no query token) and garbage pages throughout."""
     case = _case(preset, "splits", seq_lens=(0, 3, 17, 2000, 4100), q_lens=(0, 1, 1, 1, 1), sinks=True)
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_decode, "decode")
     out = attend(case, "decode", num_splits=num_splits)
     assert counting.calls >= 1
     failure = attention_failure(case, out)
@@ -167,7 +142,7 @@ def test_gpu_in_kernel_merge_and_xla_merge_match_reference(preset, num_splits, m
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gluon
 def test_gpu_padding_rows_are_zero_and_switched_off_runs_pallas(monkeypatch):
     """Query rows past ``query_start_loc[B]`` (a bucketed batch) come out zero; with the process switch off
     (``TQ_GLUON_DECODE=0``) the same call runs the Pallas kernels, also within the parity tolerance."""
@@ -175,12 +150,12 @@ def test_gpu_padding_rows_are_zero_and_switched_off_runs_pallas(monkeypatch):
     q = np.concatenate([case.query, np.full((5,) + case.query.shape[1:], 7.0, case.query.dtype)])
     args = list(case.jax_args())
     args[0] = jnp.asarray(q)
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_decode, "decode")
     fast = np.asarray(tq_jax.paged_attention(*args, preset=case.preset, **case.jax_kwargs()).astype(jnp.float32))
     assert counting.calls == 1
     assert not np.any(fast[case.query.shape[0]:])
     monkeypatch.setattr(shared, "ENABLED", False)
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_decode, "decode")
     slow = np.asarray(tq_jax.paged_attention(*args, preset=case.preset, **case.jax_kwargs()).astype(jnp.float32))
     assert counting.calls == 0
     assert not np.any(slow[case.query.shape[0]:])
@@ -190,11 +165,11 @@ def test_gpu_padding_rows_are_zero_and_switched_off_runs_pallas(monkeypatch):
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gluon
 def test_gpu_jitted_decode_steps_compile_once(monkeypatch):
     """A jitted decode step of one shape traces (and so builds the kernel's call) once across steps."""
     case = _case("turboquant_4bit_nc", "steps", seq_lens=(100, 300))
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_decode, "decode")
     step = jax.jit(lambda *a: tq_jax.paged_attention(*a, preset=case.preset, sinks=case.jax_kwargs()["sinks"]))
     for _ in range(3):
         out = step(*case.jax_args())

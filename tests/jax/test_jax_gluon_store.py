@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import zlib
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -18,7 +17,8 @@ import pytest
 import tq_jax
 from parity.tolerances import compare_store
 from tq_gluon import store as shared
-from tq_jax._src import gluon_store, launcher
+from tq_jax._src import gluon_store
+from tqjax_cases import CountingTraces, needs_gluon
 
 PRESETS = shared.PRESETS
 
@@ -37,31 +37,6 @@ def test_the_store_kernel_declines_what_it_does_not_write():
                                              value_dtype=jnp.bfloat16, **dict(common, head_dim=256))
 
 
-def _on_sm90() -> bool:
-    try:
-        return launcher.unavailable() is None
-    except Exception:  # noqa: BLE001 (no GPU backend at all)
-        return False
-
-
-gpu = pytest.mark.skipif(not _on_sm90(), reason="needs an sm_90 GPU, jaxlib > 0.10.2 and triton")
-
-
-class _Counting:
-    """Counts traces of the Gluon store."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        original = gluon_store.store
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(gluon_store, "store", counted)
-        jax.clear_caches()
-
-
 def _inputs(preset, t, hkv, n, p, seed):
     """A canary-filled cache, bf16 K/V, and slots: a permutation of the cache's with -1 and out-of-range ones."""
     import tq_spec
@@ -78,13 +53,13 @@ def _inputs(preset, t, hkv, n, p, seed):
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gluon
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("t,hkv,n,p", [(1, 8, 4, 16), (63, 2, 40, 16), (1000, 4, 80, 48), (77, 3, 300, 1),
                                        (5000, 8, 400, 16)])
 def test_gpu_store_kv_takes_the_gluon_store_and_writes_the_reference_bytes(preset, t, hkv, n, p, monkeypatch):
     cache, key, value, slots = _inputs(preset, t, hkv, n, p, 0)
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_store, "store")
     got = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
                           preset=preset)
     assert counting.calls == 1
@@ -93,7 +68,7 @@ def test_gpu_store_kv_takes_the_gluon_store_and_writes_the_reference_bytes(prese
                         preset=preset, field_ulps=0)
     assert cmp.ok, cmp.describe()
     monkeypatch.setattr(shared, "ENABLED", False)
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_store, "store")
     pallas = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache), jnp.asarray(slots),
                              preset=preset)
     assert counting.calls == 0
@@ -103,11 +78,11 @@ def test_gpu_store_kv_takes_the_gluon_store_and_writes_the_reference_bytes(prese
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gluon
 def test_gpu_gluon_store_bad_slots_write_nothing_and_donation_updates_in_place(monkeypatch):
     preset = "turboquant_4bit_nc"
     cache, key, value, _ = _inputs(preset, 64, 8, 4, 16, 2)
-    counting = _Counting(monkeypatch)
+    counting = CountingTraces(monkeypatch, gluon_store, "store")
     for slots in (np.full(64, -1), np.arange(64) + 64, np.arange(64) - 2**20):
         got = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(cache),
                               jnp.asarray(slots.astype(np.int32)), preset=preset)

@@ -183,3 +183,34 @@ def attend(case, path, *, num_splits=None, word_view=None):
         key_entries=_default_key_entries(tq_spec.get_preset(case.preset), d, case.query.dtype, path, case.rotation,
                                          None, num_seqs=int(case.block_table.shape[0])),
     )
+
+
+def _gluon_launchable() -> bool:
+    from tq_jax._src.launcher import unavailable
+
+    try:
+        return unavailable() is None
+    except Exception:  # noqa: BLE001 (no GPU backend at all)
+        return False
+
+
+# The tests of the shared Gluon kernels (`tq_jax._src.launcher`): they need what the kernels need.
+needs_gluon = pytest.mark.skipif(not _gluon_launchable(), reason="needs an sm_90 GPU, jaxlib > 0.10.2 and triton")
+
+
+class CountingTraces:
+    """Counts the calls of ``module.name`` (patched through ``monkeypatch``) from a clean jit cache: the traces
+    of the ops that reach it."""
+
+    def __init__(self, monkeypatch, module, name: str):
+        import jax
+
+        self.calls = 0
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+        jax.clear_caches()
