@@ -1,15 +1,16 @@
 """Gluon decode for TurboQuant caches on sm_90+: no shared memory and no barrier in the key loop.
 
-The decode path's kernel where `ineligible` allows it (`ops._gluon_spec`): ``turboquant_4bit_nc``
+Both frameworks' decode-path kernel where `ineligible_shape` and their launchers allow it (tq_torch:
+`tq_torch._src.gluon_decode`, tq_jax: `tq_jax._src.gluon_decode`): ``turboquant_4bit_nc``
 (4-bit mse keys), ``turboquant_k3v4_nc`` (3-bit mse keys), ``turboquant_3bit_nc`` (3-bit keys and
 values) and ``turboquant_k8v4`` (fp8 keys) slots at D = 128, and decode steps of the same slots at
 D = 256 (the same loads and dots over twice the dims, 16-bit loads only, one page per trip); page size
 16, a GQA group of at most 8, a bfloat16 query and output, an sm_90 device, sinks; no sliding window
-or soft cap (those calls keep the Triton kernels). Decode steps (``T <= B``) run one program per
+or soft cap (those calls keep the frameworks' own kernels). Decode steps (``T <= B``) run one program per
 query row, the GQA group as 8 columns; batches with several query tokens per sequence (speculative
 verification, ``T > B``) run tiles of the decode path's ``16 // G`` tokens x ``G`` heads (`tile_shape`)
-as 16 columns, each key decoded once for the whole tile, causal per column. Same function, partials and merge as `decode`;
-the same metadata guards (`_token_owner`, `_find_tile`, `_page_base`, clamped lengths).
+as 16 columns, each key decoded once for the whole tile, causal per column. Same function, partials and merge as
+the decode path's own kernels; the same metadata guards (`_token_owner`, `_find_tile`, `_page_base`, clamped lengths).
 
 Why (steps.md, thirty-third and thirty-fourth sessions): the Triton decode kernel is bound by
 L1/TEX, and 84 % of that traffic is the decoded K/V tiles' trips through shared memory on their
@@ -51,8 +52,8 @@ thread loads exactly the slot bytes its mma.sync fragments hold:
   the block ids one page further ahead.
 - The four warps merge once at the end. A decode step with at most `FUSED_MERGE_MAX_SPLITS` splits
   (4bit_nc, 3bit_nc and k8v4 slots) is one launch: the split that finishes last, by an atomic ticket
-  per (row, kv head), merges every split's partials (`_merge_splits`). Otherwise the partials go to
-  `decode._decode_merge_kernel`.
+  per (row, kv head), merges every split's partials (`_merge_splits`). Otherwise the partials go to the
+  framework's merge (tq_torch's `decode._decode_merge_kernel`, tq_jax's `decode.merge_partials`).
 
 Every layout change between the loads and the dots is checked trivial at compile time
 (``convert_layout(assert_trivial=True)``).

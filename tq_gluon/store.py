@@ -1,8 +1,9 @@
 """Gluon store for mse-key TurboQuant caches on sm_90: warps encode their rows independently, no barrier in the loop.
 
-The store's kernel where `ineligible` allows it: ``turboquant_4bit_nc``, ``turboquant_k3v4_nc`` and
+Both frameworks' store kernel where `ineligible_shape` and their launchers allow it (tq_torch:
+`tq_torch._src.gluon_store`, tq_jax: `tq_jax._src.gluon_store`): ``turboquant_4bit_nc``, ``turboquant_k3v4_nc`` and
 ``turboquant_3bit_nc`` slots (3- or 4-bit mse keys, 3- or 4-bit uniform values) at D = 128, bfloat16 K/V, the
-preset's default rotation and codebook; other calls keep `store._store_kv_kernel`. Same bytes as that kernel
+preset's default rotation and codebook; other calls keep the frameworks' own store kernels. Same bytes as those
 and the reference, but for key codes at bucket boundaries (fp32 dot sums in another order), as the contract
 allows.
 
