@@ -1030,11 +1030,6 @@ MERGES_IN_KERNEL = tuple([_slot_format(p) for p in ("turboquant_4bit_nc", "turbo
                          + [_slot_format(p, 256) for p in PRESETS])
 
 
-# The frameworks' caps on the decode partials (tq_torch's and tq_jax's `config`).
-MAX_SPLITS = 64
-PARTIALS_BUDGET = 256 << 20
-
-
 def ineligible_shape(layout: tq_spec.Layout, *, num_tokens: int, num_seqs: int, num_q_heads: int,
                      kv_cache_shape: tuple) -> Optional[str]:
     """None where the kernel reads this slot format and these static shapes, else why not.
@@ -1072,8 +1067,10 @@ def wide_loads(cache_strides: tuple) -> bool:
 
 
 def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs: int, max_context: int,
-               sm_count: int, head_dim: int = HEAD_DIM) -> int:
-    """Splits per (row, kv head), from static shapes only (CUDA-graph safe), for a GPU of ``sm_count`` SMs.
+               sm_count: int, max_splits: int, partials_budget: int, head_dim: int = HEAD_DIM) -> int:
+    """Splits per (row, kv head), from static shapes only (CUDA-graph safe), for a GPU of ``sm_count`` SMs, under
+    the framework's caps on the decode path's splits and partials (bytes): its ``config._MAX_SPLITS`` and
+    ``config._PARTIALS_BUDGET``.
 
     About 6 programs per SM in all (two waves of `PROGRAMS_PER_SM`) where the batch has 64 or more
     (row, kv head) programs, about 2 per SM for smaller batches, at least `MIN_SPLIT_PAGES` pages per
@@ -1090,9 +1087,9 @@ def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs
         resident, waves = D256_PROGRAMS_PER_SM, D256_WAVES
     per_sm = resident * waves if programs >= 64 else WAVES
     splits = max(1, round(per_sm * sm_count / programs))
-    splits = max(1, min(splits, max_context // (PAGE_SIZE * MIN_SPLIT_PAGES), MAX_SPLITS))
+    splits = max(1, min(splits, max_context // (PAGE_SIZE * MIN_SPLIT_PAGES), max_splits))
     per_split = num_tokens * num_q_heads * (head_dim + 2) * 4
-    while splits > 1 and splits * per_split > PARTIALS_BUDGET:
+    while splits > 1 and splits * per_split > partials_budget:
         splits //= 2
     return splits
 

@@ -53,10 +53,12 @@ def ineligible(layout: tq_spec.Layout, *, query_dtype, num_tokens: int, num_seqs
 def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs: int, max_context: int,
                head_dim: int) -> int:
     """`tq_gluon.decode.num_splits` on the first GPU's SMs."""
-    from .config import sm_count
+    from . import config
 
     return shared.num_splits(num_kv_heads=num_kv_heads, num_tokens=num_tokens, num_q_heads=num_q_heads,
-                             num_seqs=num_seqs, max_context=max_context, sm_count=sm_count(), head_dim=head_dim)
+                             num_seqs=num_seqs, max_context=max_context, sm_count=config.sm_count(),
+                             max_splits=config._MAX_SPLITS, partials_budget=config._PARTIALS_BUDGET,
+                             head_dim=head_dim)
 
 
 def decode(q, kv_cache, centroids, block_table, seq_lens, query_start_loc, sinks, *, layout: tq_spec.Layout,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import tq_spec
 from tq_gluon import store as shared
 
 from .launcher import kernel_call, unavailable
@@ -44,8 +45,7 @@ def _sign_operand(preset_name: str) -> tuple:
     from .store import host_sign_form
 
     signs_t, c = host_sign_form(preset_name, shared.HEAD_DIM, None)
-    op = shared._sign_operand(np.asarray(signs_t), shared.kernel_constexprs(
-        preset_name, num_kv_heads=1, page_size=1)["KEY_BITS"]).astype(np.float32)
+    op = shared._sign_operand(np.asarray(signs_t), tq_spec.get_preset(preset_name).key_bits).astype(np.float32)
     op.setflags(write=False)
     return op, float(c)
 

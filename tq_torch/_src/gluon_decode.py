@@ -58,7 +58,7 @@ def num_splits(*, num_kv_heads: int, num_tokens: int, num_q_heads: int, num_seqs
     """`tq_gluon.decode.num_splits` on ``device``'s SMs."""
     return _num_splits(num_kv_heads=num_kv_heads, num_tokens=num_tokens, num_q_heads=num_q_heads,
                        num_seqs=num_seqs, max_context=max_context, sm_count=config.sm_count(device),
-                       head_dim=head_dim)
+                       max_splits=config._MAX_SPLITS, partials_budget=config._PARTIALS_BUDGET, head_dim=head_dim)
 
 
 class DecodeSpec(NamedTuple):
