@@ -177,3 +177,22 @@ def test_gpu_jitted_decode_steps_compile_once(monkeypatch):
     assert re.search("triton_kernel_call", step.lower(*case.jax_args()).as_text())
     failure = attention_failure(case, out)
     assert failure is None, failure
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_gpu_vmap_over_queries_runs_the_gluon_decode_per_element(monkeypatch):
+    """`jax.vmap` of the public op over a batch of queries (one cache): the Gluon kernel once per element, each
+    output bit-identical to the unbatched call's and within the parity tolerance of the reference."""
+    case = _case("turboquant_4bit_nc", "vmap", seq_lens=(40, 2000, 90))
+    args = case.jax_args()
+    kw = dict(preset=case.preset, **case.jax_kwargs())
+    queries = jnp.stack([args[0], (-args[0]).astype(args[0].dtype)])
+    counting = CountingTraces(monkeypatch, gluon_decode, "decode")
+    batched = jax.vmap(lambda q: tq_jax.paged_attention(q, *args[1:], **kw))(queries)
+    assert counting.calls == 1
+    for i in range(2):
+        one = tq_jax.paged_attention(queries[i], *args[1:], **kw)
+        np.testing.assert_array_equal(np.asarray(batched[i].astype(jnp.float32)), np.asarray(one.astype(jnp.float32)))
+    failure = attention_failure(case, batched[0])
+    assert failure is None, failure

@@ -97,3 +97,22 @@ def test_gpu_gluon_store_bad_slots_write_nothing_and_donation_updates_in_place(m
     cmp = compare_store(np.asarray(out), key.astype(np.float32), value.astype(np.float32), cache, slots,
                         preset=preset, field_ulps=0)
     assert cmp.ok, cmp.describe()
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_gpu_vmap_over_caches_runs_the_gluon_store_per_element(monkeypatch):
+    """`jax.vmap` of `tq_jax.store_kv` over a stack of caches (the layers of a model): the Gluon kernel once per
+    cache, each result the unbatched call's bytes."""
+    preset = "turboquant_4bit_nc"
+    cache, key, value, slots = _inputs(preset, 100, 8, 12, 16, 3)
+    caches = np.stack([cache, cache[::-1].copy()])
+    counting = CountingTraces(monkeypatch, gluon_store, "store")
+    batched = jax.vmap(lambda c: tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), c, jnp.asarray(slots),
+                                                 preset=preset))(jnp.asarray(caches))
+    assert counting.calls == 1
+    for i in range(2):
+        one = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(caches[i]), jnp.asarray(slots),
+                              preset=preset)
+        assert np.array_equal(np.asarray(batched[i]), np.asarray(one)), f"cache {i}"
+    assert not np.array_equal(np.asarray(batched[1]), caches[1]), "nothing written"

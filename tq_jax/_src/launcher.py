@@ -82,6 +82,9 @@ def kernel_call(kernel, *, grid: tuple, signature: dict, constexprs: dict, opera
     pointers, then ``scalars``: Python ints and floats, static); ``constexprs``: its constexprs and launch
     options; ``zeroed``: result index -> bytes jaxlib zeroes before the launch; ``input_output_aliases``: operand
     index -> result index (the result's buffer is the operand's and is not passed to the kernel again).
+
+    Under `jax.vmap` the call runs once per batch element (``vmap_method="sequential"``): the grid and the
+    scalars describe one element's shapes, as the kernel was traced.
     """
     from jax._src.lib import gpu_triton
 
@@ -106,4 +109,5 @@ def kernel_call(kernel, *, grid: tuple, signature: dict, constexprs: dict, opera
     call = gpu_triton.TritonKernelCall(gpu_triton.TritonKernel(name, options["num_warps"], 1, shared_bytes, ptx, "",
                                                                arch), *grid, params)
     opaque = zlib.compress(call.to_proto(name, b""))
-    return jax.ffi.ffi_call(_TARGET, results, input_output_aliases=input_output_aliases)(*operands, opaque=opaque)
+    return jax.ffi.ffi_call(_TARGET, results, input_output_aliases=input_output_aliases,
+                            vmap_method="sequential")(*operands, opaque=opaque)
