@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
