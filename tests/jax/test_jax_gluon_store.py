@@ -100,20 +100,54 @@ def test_gpu_gluon_store_bad_slots_write_nothing_and_donation_updates_in_place(m
     assert cmp.ok, cmp.describe()
 
 
+def _per_layer_check(got, caches, key, value, slots, preset):
+    """Each layer ``got[i]`` is the unbatched store into ``caches[i]`` byte for byte, and wrote something."""
+    for i in range(len(caches)):
+        one = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(caches[i]), jnp.asarray(slots),
+                              preset=preset)
+        assert np.array_equal(np.asarray(got[i]), np.asarray(one)), f"cache {i}: differs from its unbatched store"
+        assert not np.array_equal(np.asarray(got[i]), caches[i]), f"cache {i}: nothing written"
+
+
 @pytest.mark.gpu
 @needs_gluon
-def test_gpu_vmap_over_caches_runs_the_gluon_store_per_element(monkeypatch):
+@pytest.mark.parametrize("kernel", ["gluon", "pallas"])
+def test_gpu_vmap_over_caches_runs_the_store_per_element(kernel, monkeypatch):
     """`jax.vmap` of `tq_jax.store_kv` over a stack of caches (the layers of a model): the Gluon kernel once per
-    cache, each result the unbatched call's bytes."""
+    cache (or the Pallas store, switched off), each result the unbatched call's bytes. Before the launcher's
+    barriers (`launcher._fenced_launch`), XLA's dynamic-slice fusion left the Gluon store's results unwritten."""
     preset = "turboquant_4bit_nc"
     cache, key, value, slots = _inputs(preset, 100, 8, 12, 16, 3)
     caches = np.stack([cache, cache[::-1].copy()])
+    if kernel == "pallas":
+        monkeypatch.setattr(shared, "ENABLED", False)
     counting = CountingTraces(monkeypatch, gluon_store, "store")
     batched = jax.vmap(lambda c: tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), c, jnp.asarray(slots),
                                                  preset=preset))(jnp.asarray(caches))
-    assert counting.calls == 1
-    for i in range(2):
-        one = tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), jnp.asarray(caches[i]), jnp.asarray(slots),
-                              preset=preset)
-        assert np.array_equal(np.asarray(batched[i]), np.asarray(one)), f"cache {i}"
-    assert not np.array_equal(np.asarray(batched[1]), caches[1]), "nothing written"
+    assert counting.calls == (1 if kernel == "gluon" else 0)
+    _per_layer_check(batched, caches, key, value, slots, preset)
+    in_cache = np.where(slots < 12 * 16, slots, -1)
+    cmp = compare_store(np.asarray(batched[1]), key.astype(np.float32), value.astype(np.float32), caches[1],
+                        in_cache, preset=preset, field_ulps=0)
+    assert kernel == "pallas" or cmp.ok, cmp.describe()
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("kernel", ["gluon", "pallas"])
+def test_gpu_scan_over_layer_caches_stores_into_every_layer(kernel, monkeypatch):
+    """`lax.scan` of `tq_jax.store_kv` over stacked layer caches, as `flax.linen.scan` runs a model's layers: each
+    layer's result is its unbatched store's bytes (the dynamic-slice fusion case of the vmap test above)."""
+    preset = "turboquant_4bit_nc"
+    cache, key, value, slots = _inputs(preset, 100, 8, 12, 16, 4)
+    caches = np.stack([cache, cache[::-1].copy(), cache ^ np.uint8(0x5A)])
+    if kernel == "pallas":
+        monkeypatch.setattr(shared, "ENABLED", False)
+    counting = CountingTraces(monkeypatch, gluon_store, "store")
+
+    def layer(carry, c):
+        return carry, tq_jax.store_kv(jnp.asarray(key), jnp.asarray(value), c, jnp.asarray(slots), preset=preset)
+
+    _, got = jax.jit(lambda cs: jax.lax.scan(layer, 0, cs))(jnp.asarray(caches))
+    assert counting.calls == (1 if kernel == "gluon" else 0)
+    _per_layer_check(got, caches, key, value, slots, preset)

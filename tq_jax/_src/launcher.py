@@ -83,8 +83,9 @@ def kernel_call(kernel, *, grid: tuple, signature: dict, constexprs: dict, opera
     options; ``zeroed``: result index -> bytes jaxlib zeroes before the launch; ``input_output_aliases``: operand
     index -> result index (the result's buffer is the operand's and is not passed to the kernel again).
 
-    Under `jax.vmap` the call runs once per batch element (``vmap_method="sequential"``): the grid and the
-    scalars describe one element's shapes, as the kernel was traced.
+    Under `jax.vmap` the call runs once per batch element (a scan): the grid and the scalars describe one
+    element's shapes, as the kernel was traced. Aliased operands and results pass optimization barriers
+    (`_fenced_launch`).
     """
     from jax._src.lib import gpu_triton
 
@@ -109,5 +110,46 @@ def kernel_call(kernel, *, grid: tuple, signature: dict, constexprs: dict, opera
     call = gpu_triton.TritonKernelCall(gpu_triton.TritonKernel(name, options["num_warps"], 1, shared_bytes, ptx, "",
                                                                arch), *grid, params)
     opaque = zlib.compress(call.to_proto(name, b""))
-    return jax.ffi.ffi_call(_TARGET, results, input_output_aliases=input_output_aliases,
-                            vmap_method="sequential")(*operands, opaque=opaque)
+    call = functools.partial(jax.ffi.ffi_call(_TARGET, results, input_output_aliases=input_output_aliases,
+                                              vmap_method="sequential"), opaque=opaque)
+    if not input_output_aliases:
+        return call(*operands)
+    return _fenced_launch(call, frozenset(input_output_aliases), frozenset(aliased))(*operands)
+
+
+def _fenced_launch(call, aliased_operands: frozenset, aliased_results: frozenset):
+    """``call`` (the custom call of `kernel_call`) with its aliased operands and results behind
+    `jax.lax.optimization_barrier`s, and under `jax.vmap` a scan over the batch of such calls.
+
+    Why: XLA's GPU dynamic-slice fusion (on in jax 0.11) folds a dynamic-slice feeding a custom call and a
+    dynamic-update-slice of its result into the call's addresses, ignoring the call's operand-to-result
+    aliasing. Inside a scan over stacked caches (``lax.scan`` over a model's layers, or ``vmap_method=
+    "sequential"``) the kernel then writes into the scanned input while the result slice keeps whatever it held:
+    on an H200, a vmapped 4bit_nc store returned 205k wrong bytes of 206k. The barriers keep the slice and the
+    update out of the call's fusion; they move no data.
+    """
+
+    def fenced(*operands):
+        operands = list(operands)
+        for i in aliased_operands:
+            operands[i] = jax.lax.optimization_barrier(operands[i])
+        outs = list(call(*operands))
+        for i in aliased_results:
+            outs[i] = jax.lax.optimization_barrier(outs[i])
+        return outs
+
+    launch = jax.custom_batching.custom_vmap(fenced)
+
+    @launch.def_vmap
+    def _one_call_per_element(axis_size, in_batched, *operands):
+        del axis_size
+        batched = [x for x, b in zip(operands, in_batched) if b]
+
+        def element(carry, xs):
+            it = iter(xs)
+            return carry, launch(*[next(it) if b else x for x, b in zip(operands, in_batched)])
+
+        _, outs = jax.lax.scan(element, (), batched)
+        return outs, [True] * len(outs)
+
+    return launch
