@@ -186,6 +186,21 @@ def test_nnx_scan_over_layers():
     np.testing.assert_allclose(np.asarray(out), np.asarray(expect_x), rtol=1e-6, atol=1e-6)
 
 
+def test_vmap_over_stacked_caches_keys_and_queries():
+    """`jax.vmap` of a store then an attention step over two layers' caches, keys and queries: each layer's cache
+    and output are its unbatched step's. (On sm_90 GPUs the Gluon store's case: `test_jax_gluon_store.py`.)"""
+    num_layers, t = 2, 3
+    xs, ks, meta = _layer_inputs(np.random.default_rng(7), num_layers, t)
+    qs = np.stack([xs, xs[:, ::-1]])
+    caches = jnp.zeros((num_layers, 2, PAGE, HKV, SLOT), jnp.uint8)
+    out, new = jax.vmap(lambda q, k, c: _step(q, k, c, *meta))(jnp.asarray(qs), jnp.asarray(ks), caches)
+    for i in range(num_layers):
+        one, cache = _step(qs[i], ks[i], caches[i], *meta)
+        np.testing.assert_array_equal(np.asarray(new[i]), np.asarray(cache), err_msg=f"layer {i}'s cache")
+        np.testing.assert_allclose(np.asarray(out[i]), np.asarray(one), rtol=1e-6, atol=1e-6)
+    _check_step(out[1], caches[1], new[1], qs[1], ks[1], *meta)
+
+
 # ------------------------------------------------------------------ derivatives
 
 
