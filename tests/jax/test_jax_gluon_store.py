@@ -126,10 +126,11 @@ def test_gpu_vmap_over_caches_runs_the_store_per_element(kernel, monkeypatch):
                                                  preset=preset))(jnp.asarray(caches))
     assert counting.calls == (1 if kernel == "gluon" else 0)
     _per_layer_check(batched, caches, key, value, slots, preset)
-    in_cache = np.where(slots < 12 * 16, slots, -1)
-    cmp = compare_store(np.asarray(batched[1]), key.astype(np.float32), value.astype(np.float32), caches[1],
-                        in_cache, preset=preset, field_ulps=0)
-    assert kernel == "pallas" or cmp.ok, cmp.describe()
+    if kernel == "gluon":  # (the Pallas store's bytes against the reference: test_jax_store.py)
+        in_cache = np.where(slots < 12 * 16, slots, -1)
+        cmp = compare_store(np.asarray(batched[1]), key.astype(np.float32), value.astype(np.float32), caches[1],
+                            in_cache, preset=preset, field_ulps=0)
+        assert cmp.ok, cmp.describe()
 
 
 @pytest.mark.gpu
