@@ -121,11 +121,11 @@ def _fenced_launch(call, aliased_operands: frozenset, aliased_results: frozenset
     """``call`` (the custom call of `kernel_call`) with its aliased operands and results behind
     `jax.lax.optimization_barrier`s, and under `jax.vmap` a scan over the batch of such calls.
 
-    Why: XLA's GPU dynamic-slice fusion (on by default in the H200 image's jax 0.11.2) folds a dynamic-slice feeding a custom call and a
-    dynamic-update-slice of its result into the call's addresses, ignoring the call's operand-to-result
-    aliasing. Inside a scan over stacked caches (``lax.scan`` over a model's layers, or ``vmap_method=
-    "sequential"``) the kernel then writes into the scanned input while the result slice keeps whatever it held:
-    on an H200, a vmapped 4bit_nc store returned 205k wrong bytes of 206k. The barriers keep the slice and the
+    Why: XLA's GPU dynamic-slice fusion (on by default in the H200 image's jax 0.11.2) folds a dynamic-slice
+    feeding a custom call and a dynamic-update-slice of its result into the call's addresses, ignoring the call's
+    operand-to-result aliasing. Inside a scan over stacked caches (``lax.scan`` over a model's layers, or
+    ``vmap_method="sequential"``) the kernel then writes into the scanned input while the result slice keeps
+    whatever it held: on an H200, a vmapped 4bit_nc store returned 205k wrong bytes of 206k. The barriers keep the slice and the
     update out of the call's fusion; they move no data.
     """
 
