@@ -125,8 +125,8 @@ def _fenced_launch(call, aliased_operands: frozenset, aliased_results: frozenset
     feeding a custom call and a dynamic-update-slice of its result into the call's addresses, ignoring the call's
     operand-to-result aliasing. Inside a scan over stacked caches (``lax.scan`` over a model's layers, or
     ``vmap_method="sequential"``) the kernel then writes into the scanned input while the result slice keeps
-    whatever it held: on an H200, a vmapped 4bit_nc store returned 205k wrong bytes of 206k. The barriers keep the slice and the
-    update out of the call's fusion; they move no data.
+    whatever it held: on an H200, a vmapped 4bit_nc store returned 205k wrong bytes of 206k. The barriers keep the
+    slice and the update out of the call's fusion; they move no data.
     """
 
     def fenced(*operands):
