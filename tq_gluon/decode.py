@@ -221,6 +221,97 @@ _FENCE_GPU = gl.constexpr("fence.acq_rel.gpu; mov.b32 $0, $1;")
 # The CTA barrier: `thread_barrier` in Triton 3.6, `barrier` from 3.7 on.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
+# TMA-staged pages (``STAGES`` > 0): each warp streams its pages through ``STAGES`` shared-memory stages of its own.
+# One lane per warp fills a stage with two TMA tensor boxes of the page (the cache viewed as ``[N * 16 rows, row
+# bytes]``): the key box (80 bytes of each row) and the value box (112 bytes, 64 further), both starting at the
+# 16-byte boundary at or before the kv head's slot, since a box must start 16-byte aligned in its row (a box at the
+# slot's own byte traps: steps.md, forty-seventh session). So slot byte b sits at box byte ``rot + b`` (key box) or
+# ``rot + b - 64`` (value box), ``rot = (slot's offset in the row) mod 16``. One mbarrier per stage; the lanes read
+# their mma fragments with `ldmatrix` (keys in the wide-load layout, values in the narrow one) and splice the bytes
+# that the rotation moved past the 64 code bytes back in. The stages live at fixed byte offsets from
+# ``global_smem``, addressed by inline asm, which Triton's barrier pass does not see: the kernel reserves that
+# shared memory and puts a CTA barrier before the first and after the last use. The two tensor maps are built in
+# the kernel, once per program, into its 256 bytes of ``tma_ws_ptr``.
+_KBOX = gl.constexpr(80)  # key box row: codes, norm
+_VBOX = gl.constexpr(112)  # value box row (from row byte 64 past the key box's start): codes, scale, zero
+_BULK_STAGE = gl.constexpr(16 * (80 + 112))  # bytes per stage (a page): the key box, then the value box
+_BULK_STAGE0 = gl.constexpr(1024)  # mbarriers (bytes 0 ..), tensor-map templates (512 .., 768 ..), keep-alive (512 ..)
+_BULK_KEEP = gl.constexpr(128)  # int32 offset of the keep-alive words (the templates are dead by then)
+# The shared address of ``global_smem`` (where the kernel's shared memory starts).
+_SMEM_BASE = gl.constexpr("mov.u32 $0, global_smem;")
+# mbarrier at shared address $1 initialised for one arrival, where $2 != 0.
+_MBAR_INIT = gl.constexpr(
+    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p mbarrier.init.shared::cta.b64 [$1], 1; mov.b32 $0, 0; }")
+# The mbarriers' initialisation made visible to the copies (the async proxy) before the first is issued.
+_MBAR_INIT_FENCE = gl.constexpr(
+    "fence.mbarrier_init.release.cluster; fence.proxy.async.shared::cta; bar.warp.sync -1; mov.b32 $0, 0;")
+# mbarrier at shared address $1 invalidated, where $2 != 0: before its bytes serve anything else (the warps' merge,
+# the next program on the SM), as the PTX ISA requires of an mbarrier's memory.
+_MBAR_INVAL = gl.constexpr(
+    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p mbarrier.inval.shared::cta.b64 [$1]; mov.b32 $0, 0; }")
+# A warp's shared reads (generic proxy) ordered before the copies it issues next (async proxy).
+_BULK_FENCE = gl.constexpr("fence.proxy.async.shared::cta; bar.warp.sync -1; mov.b32 $0, 0;")
+
+
+def _tensor_map_ptx(tmpl: str, ws: str, box: str) -> str:
+    """PTX building one 2-D uint8 tiled tensor map (box ``box`` x 16 rows) from the zeroed 128-byte shared template
+    at ``tmpl`` (64-bit register) by thread 0 (predicate ``l0``); global address $3, dims $4 (row bytes) x $5 (rows),
+    row stride $6 (bytes); then warp 0 (``w0``) copies it to global ``ws`` with the tensormap-proxy release."""
+    f = "@l0 tensormap.replace.tile.{}.shared::cta.b1024.b{} [" + tmpl + "], {};"
+    return " ".join([
+        f.format("global_address", 64, "$3"), f.format("rank", 32, "1"), f.format("box_dim", 32, "0, " + box),
+        f.format("box_dim", 32, "1, 16"), f.format("global_dim", 32, "0, $4"), f.format("global_dim", 32, "1, $5"),
+        f.format("global_stride", 64, "0, $6"), f.format("element_stride", 32, "0, 1"),
+        f.format("element_stride", 32, "1, 1"), f.format("elemtype", 32, "0"), f.format("interleave_layout", 32, "0"),
+        f.format("swizzle_mode", 32, "0"), f.format("fill_mode", 32, "0"),
+        "@w0 tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned [" + ws + "], ["
+        + tmpl + "], 128;"])
+
+
+# Every thread: warp 0 zeroes the two templates at shared $1 (256 bytes), thread 0 fills them (key box, value box),
+# warp 0 copies them to global $2 and $2 + 128.
+_MAKE_TENSOR_MAPS = gl.constexpr(
+    "{ .reg .pred w0, l0; .reg .u32 t, a, z; .reg .b64 k, v, gk, gv; mov.u32 t, %tid.x; setp.lt.u32 w0, t, 32; "
+    "setp.eq.u32 l0, t, 0; shl.b32 a, t, 3; add.u32 a, a, $1; mov.b32 z, 0; @w0 st.shared.v2.b32 [a], {z, z}; "
+    "bar.warp.sync -1; "
+    "cvt.u64.u32 k, $1; add.u64 v, k, 128; mov.b64 gk, $2; add.u64 gv, gk, 128; "
+    + _tensor_map_ptx("k", "gk", "80") + " " + _tensor_map_ptx("v", "gv", "112")
+    + " mov.b32 $0, 0; }")
+# After a CTA barrier (warp 0 wrote the maps): each thread's tensormap-proxy acquire of both maps at $1.
+_ACQUIRE_TENSOR_MAPS = gl.constexpr(
+    "{ .reg .b64 v; add.u64 v, $1, 128; fence.proxy.tensormap::generic.acquire.gpu [$1], 128; "
+    "fence.proxy.tensormap::generic.acquire.gpu [v], 128; mov.b32 $0, 0; }")
+# Where $5 != 0 (the warp's lane 0, a live page): expect the page's bytes on mbarrier $2 and copy its key box at
+# (x $3, row $4) of tensor map $6 to shared $1 and its value box at (x $3 + 64) of map $7 to $1 + 16 * 80.
+_TMA_ISSUE = gl.constexpr(
+    "{ .reg .pred p; .reg .b64 st; .reg .u32 xv, dv; setp.ne.u32 p, $5, 0; add.u32 xv, $3, 64; add.u32 dv, $1, 1280; "
+    "@p mbarrier.arrive.expect_tx.shared::cta.b64 st, [$2], 3072; "
+    "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$6, {$3, $4}], [$2]; "
+    "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [dv], [$7, {xv, $4}], [$2]; "
+    "mov.b32 $0, 0; }")
+# Unless $3 (a dead page): wait until mbarrier $1 completes the phase of parity $2.
+_BULK_WAIT = gl.constexpr(
+    "{ .reg .pred p, q; setp.ne.u32 q, $3, 0; @q bra.uni DONE; "
+    "WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; @!p bra WAIT; DONE: mov.b32 $0, 0; }")
+# Key words of one key row block (keys 8h .. 8h + 7 and their + 8 partners by lane): ldmatrix.x4 of the key box's
+# chunks 0..3 (lane addresses $4), and of chunk 4 (.x1, lanes 0-7's addresses $8), whose bytes replace word 0's
+# first bytes by `prmt` with selector $12 (the bytes the slot's rotation pushed past the 64 code bytes).
+_LDSM_KEYS = gl.constexpr(
+    "{ .reg .b32 x; ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4]; "
+    "ldmatrix.sync.aligned.m8n8.x1.shared.b16 {x}, [$8]; prmt.b32 $0, $0, x, $12; }")
+_LDSM_KEYS_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
+_LDSM_VALUES_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
+# Value words of one key row block: ldmatrix.x4.trans of the value box's chunks c0 .. c0 + 3 (lane addresses $8): lane
+# (g, t) gets word g of keys 2t (low half) and 2t + 1 (high half) of each chunk; lanes with $24 != 0 take chunk 0's
+# from chunk c0 + 4 (.x1.trans, lanes 0-7's addresses $16). Out: the 8 words zero-extended, key fastest.
+_LDSM_VALUES = gl.constexpr(
+    "{ .reg .b32 r0, r1, r2, r3, x; .reg .pred p; ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {r0, r1, r2, r3}, "
+    "[$8]; ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {x}, [$16]; setp.ne.u32 p, $24, 0; @p mov.b32 r0, x; "
+    "and.b32 $0, r0, 0xFFFF; shr.u32 $1, r0, 16; and.b32 $2, r1, 0xFFFF; shr.u32 $3, r1, 16; "
+    "and.b32 $4, r2, 0xFFFF; shr.u32 $5, r2, 16; and.b32 $6, r3, 0xFFFF; shr.u32 $7, r3, 16; }")
+# One int16 word at shared address $1, zero-extended.
+_LDS_U16 = gl.constexpr("ld.shared.u16 $0, [$1];")
+
 
 @gluon.constexpr_function
 def _axis(layout, dim, rank):
@@ -229,6 +320,13 @@ def _axis(layout, dim, rank):
         if d != dim:
             layout = gl.SliceLayout(d, layout)
     return layout
+
+
+@gluon.constexpr_function
+def _bulk_reserve_words(nw, stages):
+    """int32 words of shared memory the stages take (`_BULK_STAGE0` and ``nw * stages`` stages), as a power of two."""
+    need = (1024 + nw * stages * 16 * (80 + 112)) // 4
+    return 1 << (need - 1).bit_length()
 
 
 @gluon.jit
@@ -275,44 +373,167 @@ def _load_code_words(ptrs):
 
 
 @gluon.jit
+def _side_effect(ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, args):
+    return gl.inline_asm_elementwise(ASM, CONSTRAINTS, args, dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _lds_u16(addr):
+    """int16 words at shared addresses ``addr`` (int32), zero-extended; never moved across the stage's wait."""
+    return gl.inline_asm_elementwise(_LDS_U16, "=r,r", [addr], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bulk_setup(cache_ptr, tma_ws_ptr, ws_slot, row_bytes, num_rows, kv_head, stride_ch, NW: gl.constexpr,
+                STAGES: gl.constexpr):
+    """Per thread ``[32 NW]`` (a warp's lanes): the shared base, this warp's index, its stage 0, its mbarrier 0,
+    whether the lane issues (lane 0), the two tensor maps' addresses and the boxes' x (the slots' row offset rounded
+    down to 16 bytes). Builds the tensor maps (program slot ``ws_slot`` of ``tma_ws_ptr``) and the mbarriers."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    i = gl.arange(0, 32 * NW, layout=L)
+    lane = i % 32
+    w = i // 32
+    smem = gl.inline_asm_elementwise(_SMEM_BASE, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+    bar0 = smem + w * (STAGES * 8)
+    maps = tma_ws_ptr + (ws_slot.to(gl.int64) * 256 + i * 0)
+    _side_effect(_MAKE_TENSOR_MAPS, "=r,r,l,l,r,r,l",
+                 [smem + 512 + i * 0, maps, cache_ptr + i * 0, row_bytes + i * 0, num_rows + i * 0,
+                  row_bytes.to(gl.int64) + i * 0])
+    _side_effect(_MBAR_INIT, "=r,r,r", [bar0 + 8 * lane, (lane < STAGES).to(gl.int32)])
+    _side_effect(_MBAR_INIT_FENCE, "=r", [])
+    _cta_barrier()  # (warp 0 wrote the maps)
+    _side_effect(_ACQUIRE_TENSOR_MAPS, "=r,l", [maps])
+    stage0 = smem + _BULK_STAGE0 + w * (STAGES * _BULK_STAGE)
+    x = (2 * (kv_head * stride_ch) + i * 0) & -16
+    return smem, w, stage0, bar0, (lane == 0).to(gl.int32), maps, maps + 128, x
+
+
+@gluon.jit
+def _bulk_issue(blk, page, page_hi, copy, s, num_blocks):
+    """Warp ``w``'s copies of page ``page + w`` (block ids ``blk`` ``[32 NW]``) into its stage ``s`` (lane 0); a page
+    at or past ``page_hi`` copies nothing (a bad block id reads block 0, whose keys the page's ``ok`` masks)."""
+    _, w, stage0, bar0, lane0, kmap, vmap, x = copy
+    live = (page + w < page_hi).to(gl.int32)
+    row = gl.where((blk >= 0) & (blk < num_blocks), blk, 0) * 16
+    _side_effect(_TMA_ISSUE, "=r,r,r,r,r,r,l,l",
+                 [stage0 + s * _BULK_STAGE, bar0 + s * 8, x, row, lane0 * live, kmap, vmap])
+
+
+@gluon.jit
+def _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, bulk, KEY_NORM_WORD: gl.constexpr,
+                 SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr):
+    """`_load_page` from the stages: wait for page ``page0 + w``'s stage, read its words (``kidx``, ``vidx``: the
+    `ldmatrix` operands in stage 0, `_staged_indices`; ``bulk``: ``(page_lo, page_hi, per-key addresses of their
+    slot byte 0 in each box, copy setup)``), then refill the stage with the warp's page ``STAGES`` trips ahead."""
+    page_lo, page_hi, s_addr, copy = bulk
+    issue_blk, sblk = blocks
+    j = (page0 - page_lo) // NW  # the warp's page index (uniform)
+    s = j % STAGES
+    w = copy[1]
+    _side_effect(_BULK_WAIT, "=r,r,r,r", [copy[3] + s * 8, w * 0 + (j // STAGES) % 2, (page0 + w >= page_hi).to(gl.int32)])
+    at = s * _BULK_STAGE
+    k4, k1, ksel = kidx
+    kwords = gl.inline_asm_elementwise(_LDSM_KEYS, _LDSM_KEYS_CONSTRAINTS, [k4 + at, k1 + at, ksel],
+                                       dtype=gl.int32, is_pure=False, pack=4)
+    v4, v1, vsel = vidx
+    vwords = gl.inline_asm_elementwise(_LDSM_VALUES, _LDSM_VALUES_CONSTRAINTS, [v4 + at, v1 + at, vsel],
+                                       dtype=gl.int32, is_pure=False, pack=8)
+    k_at, v_at = s_addr
+    knorm = _lds_u16(k_at + (at + 2 * KEY_NORM_WORD)).to(gl.int16)
+    vscale = _lds_u16(v_at + (at + 2 * SCALE_WORD - 64)).to(gl.int16)
+    vzero = _lds_u16(v_at + (at + 2 * ZERO_WORD - 64)).to(gl.int16)
+    _side_effect(_BULK_FENCE, "=r", [])
+    _bulk_issue(issue_blk, page0 + STAGES * NW, page_hi, copy, s, num_blocks)
+    _, ok = _page_base(sblk, num_blocks, 0, 0)
+    ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
+    return kwords, vwords, knorm, vscale, vzero, ok
+
+
+@gluon.jit
+def _staged_indices(copy, rot, KR: gl.constexpr, VW: gl.constexpr, VALUE_WORD: gl.constexpr, NW: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """The `ldmatrix` operands of `_staged_page`, in stage 0 of each warp: keys ``[w, h, g, t, b, c]`` (``KR``): the
+    .x4 row address of lane ``4g + t`` (key row ``8h + l % 8``, chunk ``l // 8``), the .x1 one (chunk 4), the `prmt`
+    selector of word 0 (bytes below ``rot`` from chunk 4); values ``[w, h, t, e, g, i]`` (``VW``): the .x4.trans
+    address (key row ``8h + l % 8``, chunk ``c0 + l // 8``), the .x1.trans one (chunk ``c0 + 4``), and whether lane
+    ``g`` takes chunk 0's word from there (``g`` below the value words' shift)."""
+    smem = copy[0]
+    w, h, g, t, b, c = _grid6(KR, NW, 2, 8, 4, 2, 2)
+    ln = 4 * g + t
+    krow = 8 * h + ln % 8
+    kst = smem + _BULK_STAGE0 + w * (STAGES * _BULK_STAGE)
+    k4 = kst + krow * _KBOX + 16 * (ln // 8) + 0 * (b + c)
+    k1 = kst + krow * _KBOX + 64 + 0 * (b + c)
+    ksel = _selectors(rot, 4 * t, True) + 0 * (b + c + h)
+    vpos = rot + 2 * VALUE_WORD - 64  # the value codes' first byte in the value box
+    c0 = vpos // 16
+    shift = (vpos % 16) // 2  # value words
+    vw_, vh, vt, ve, vg, vi = _grid6(VW, NW, 2, 4, 2, 8, 4)
+    vln = 4 * vg + vt
+    vrow = 8 * vh + vln % 8
+    vst = smem + _BULK_STAGE0 + vw_ * (STAGES * _BULK_STAGE) + 16 * _KBOX
+    v4 = vst + vrow * _VBOX + 16 * (c0 + vln // 8) + 0 * (ve + vi)
+    v1 = vst + vrow * _VBOX + 16 * (c0 + 4) + 0 * (ve + vi)
+    vsel = (vg < shift).to(gl.int32) + 0 * (ve + vi + vt)
+    return (k4, k1, ksel), (v4, v1, vsel), shift
+
+
+@gluon.jit
+def _next_blocks(bt_row, page0, page_hi, k_w, v_w, sk_w, copy_w, NW: gl.constexpr, STAGES: gl.constexpr):
+    """The block ids `_load_page` takes for page ``page0 + w``: `_page_blocks`, or with ``STAGES`` the ids of the
+    page ``STAGES`` trips ahead (the copies it issues, ``[32 NW]``) and of the page itself (per key)."""
+    if STAGES > 0:
+        return (_block_ids(bt_row, page0 + STAGES * NW + copy_w, page_hi),
+                _block_ids(bt_row, page0 + sk_w[:, None], page_hi))
+    else:
+        return _page_blocks(bt_row, page0, page_hi, k_w, v_w, sk_w)
+
+
+@gluon.jit
 def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
                k_stride_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8: gl.constexpr,
                KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr,
-               WIDE_K: gl.constexpr, WIDE_V: gl.constexpr):
+               WIDE_K: gl.constexpr, WIDE_V: gl.constexpr, bulk, NW: gl.constexpr, STAGES: gl.constexpr):
     """Raw words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: key words
     (``kidx``'s shape: int16 code words zero-extended to int32, or int32 words of four fp8 keys, from
     ``kcache_ptr``; with ``WIDE_K`` a lane's 16-byte window and 8 extra bytes, `_wide_key_indices`), V code
     words ``[w, h, t, e, g, i]`` (zero-extended; with ``WIDE_V`` window and extra bytes ``[w, h, t, e, g, c]``),
     and per key ``[w, 16]`` the norm (mse keys; the scale bits stand in for fp8 keys, never read), scale and
-    zero bits and the key's validity (live page and key < ``seq_len``)."""
-    kblk, vblk, sblk = blocks
-    if WIDE_K:
-        k_slot, k_word, k_sel = kidx
-        kbase, _ = _page_base(kblk, num_blocks, stride_cn, head_off)
-        kwords = _load_windows(_LOAD_KEY_WINDOW, cache_ptr + (kbase + k_slot + k_word), k_sel)
+    zero bits and the key's validity (live page and key < ``seq_len``). With ``STAGES``, from the warp's stages
+    (`_staged_page`)."""
+    if STAGES > 0:
+        words = _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, bulk, KEY_NORM_WORD,
+                             SCALE_WORD, ZERO_WORD, NW, STAGES)
     else:
-        k_slot5, k_word5 = kidx
-        kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
-        if KEY_FP8:
-            kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
+        kblk, vblk, sblk = blocks
+        if WIDE_K:
+            k_slot, k_word, k_sel = kidx
+            kbase, _ = _page_base(kblk, num_blocks, stride_cn, head_off)
+            kwords = _load_windows(_LOAD_KEY_WINDOW, cache_ptr + (kbase + k_slot + k_word), k_sel)
         else:
-            kwords = _load_code_words(kcache_ptr + (kbase + k_slot5 + k_word5))
-    vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
-    if WIDE_V:
-        v_slot, v_word, v_sel = vidx
-        vwords = _load_windows(_LOAD_VALUE_WINDOWS, cache_ptr + (vbase + v_slot + v_word), v_sel)
-    else:
-        v_slot6, v_word6 = vidx
-        vwords = _load_code_words(cache_ptr + (vbase + v_slot6 + v_word6))
-    sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
-    ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
-    sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
-    vscale = gl.load(sptr + SCALE_WORD)
-    if KEY_FP8:
-        knorm = vscale  # (fp8 keys have no norm; never read)
-    else:
-        knorm = gl.load(sptr + KEY_NORM_WORD)
-    return kwords, vwords, knorm, vscale, gl.load(sptr + ZERO_WORD), ok
+            k_slot5, k_word5 = kidx
+            kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
+            if KEY_FP8:
+                kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
+            else:
+                kwords = _load_code_words(kcache_ptr + (kbase + k_slot5 + k_word5))
+        vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
+        if WIDE_V:
+            v_slot, v_word, v_sel = vidx
+            vwords = _load_windows(_LOAD_VALUE_WINDOWS, cache_ptr + (vbase + v_slot + v_word), v_sel)
+        else:
+            v_slot6, v_word6 = vidx
+            vwords = _load_code_words(cache_ptr + (vbase + v_slot6 + v_word6))
+        sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
+        ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
+        sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
+        vscale = gl.load(sptr + SCALE_WORD)
+        if KEY_FP8:
+            knorm = vscale  # (fp8 keys have no norm; never read)
+        else:
+            knorm = gl.load(sptr + KEY_NORM_WORD)
+        words = kwords, vwords, knorm, vscale, gl.load(sptr + ZERO_WORD), ok
+    return words
 
 
 @gluon.jit
@@ -493,6 +714,14 @@ def _query_dims(k, a_k, KEY_BITS: gl.constexpr, WIDE_K: gl.constexpr, D: gl.cons
         return 16 * (k // 16) + 4 * ((k // 2) % 4) + 2 * ((k // 8) % 2) + k % 2
 
 
+@gluon.jit
+def _query_dims_ldsm(k, rot):
+    """`_query_dims` for key words read by `ldmatrix` from TMA boxes (`_staged_page`): lane ``t``'s window position
+    ``p = 2i + j1`` is row byte ``16 (p // 4) + 4t + p % 4`` of the key box, code byte ``(that - rot) mod 64``."""
+    p = 2 * (k // 16) + (k // 8) % 2
+    return 2 * ((16 * (p // 4) + 4 * ((k // 2) % 4) + p % 4 - rot + 64) % 64) + k % 2
+
+
 @gluon.jit(noinline=True)
 def _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_start, q_len, tok0, live, seq_len, a_k,
                    G: gl.constexpr, BLOCK_Q: gl.constexpr, NR: gl.constexpr, NW: gl.constexpr, KEY_BITS: gl.constexpr,
@@ -630,15 +859,15 @@ def _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, squa
 
 @gluon.jit
 def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, rot_ptr,
-                        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, ticket_ptr, stride_qt, stride_qh,
+                        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, ticket_ptr, tma_ws_ptr, stride_qt, stride_qh,
                         stride_bt, stride_cn, stride_cp, stride_ch, k_stride_cn, k_stride_cp, k_stride_ch, num_blocks,
                         num_splits, num_q_heads, num_seqs, num_tokens, qk_scale, max_seq_len, stride_ot, stride_oh,
-                        base_mod8, rot_scale, G: gl.constexpr, KEY_BITS: gl.constexpr,
+                        base_mod16, rot_scale, G: gl.constexpr, KEY_BITS: gl.constexpr,
                         KEY_NORM_WORD: gl.constexpr, VALUE_BITS: gl.constexpr, VALUE_WORD: gl.constexpr,
                         SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, UNROLL: gl.constexpr,
                         BLOCK_Q: gl.constexpr, NR: gl.constexpr, FUSED_MERGE: gl.constexpr,
                         HAS_SINKS: gl.constexpr, SPLITS_PAD: gl.constexpr, WIDE: gl.constexpr,
-                        ROTATE: gl.constexpr, D: gl.constexpr):
+                        ROTATE: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """One (tile of query rows, kv head, split): unnormalised partials of the split's visible pages (log2
     domain), as `attention_kernel.paged_attention_kernel` writes them with ``SPLIT_KV``.
 
@@ -663,15 +892,20 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     ``stride_oh``. Otherwise those three are not read and `decode._decode_merge_kernel` merges.
 
     ``WIDE`` (slot and block strides multiples of 8 bytes, so every slot of the kv head starts at the same
-    byte ``a`` past an 8-byte boundary; ``base_mod8``: the cache's address mod 8): 4-bit key and value codes
+    byte ``a`` past an 8-byte boundary; ``base_mod16``: the cache's address mod 16): 4-bit key and value codes
     are read by 8-byte loads at aligned addresses, the bytes a lane holds rotated by ``a`` (`_wide_key_indices`).
+
+    ``STAGES`` > 0 (decode steps of 4-bit keys and values at D = 128, not ``WIDE``; `bulk_loads` strides): each
+    warp's pages stream through ``STAGES`` shared-memory stages filled by TMA boxes, and the lanes read their mma
+    fragments from there by `ldmatrix` (`_staged_page`); ``tma_ws_ptr``: 256 bytes per program for its tensor maps
+    (not read otherwise).
     """
     pid = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
     NW: gl.constexpr = 4
     KEY_FP8: gl.constexpr = KEY_BITS == 8
-    WIDE_K: gl.constexpr = WIDE and KEY_BITS == 4
+    WIDE_K: gl.constexpr = (WIDE or STAGES > 0) and KEY_BITS == 4  # (TMA stages: keys in the wide layout)
     WIDE_V: gl.constexpr = WIDE and VALUE_BITS == 4
     # D = 256: decode steps (`ineligible`), by 16-bit loads, the query rotated beforehand.
     gl.static_assert(D == 128 or (D == 256 and not WIDE and not ROTATE), "D = 256 reads by 16-bit loads")
@@ -747,14 +981,17 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         k_cp = stride_cp
 
     # Wide loads: every slot of this kv head starts ``a_k`` bytes past an 8-byte boundary, its value codes ``a_v``.
-    a_k = (base_mod8 + 2 * (kv_head * stride_ch)) % 8
+    a_k = (base_mod16 + 2 * (kv_head * stride_ch)) % (16 if STAGES > 0 else 8)
     a_v = (a_k + 2 * VALUE_WORD) % 8
 
     # ---- query^T [w, 128, NR columns] in the B layout, dims permuted to the codes a lane holds (`_query_dims`)
     if not ROTATE:  # (the query as given: rotated already for mse keys)
         qk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_L)))
         qr = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_L)))
-        qcol = gl.expand_dims(gl.expand_dims(_query_dims(qk, a_k, KEY_BITS, WIDE_K, D), 0), 2)
+        if STAGES > 0:
+            qcol = gl.expand_dims(gl.expand_dims(_query_dims_ldsm(qk, a_k), 0), 2)
+        else:
+            qcol = gl.expand_dims(gl.expand_dims(_query_dims(qk, a_k, KEY_BITS, WIDE_K, D), 0), 2)
         qrow = gl.expand_dims(gl.expand_dims(qr, 0), 1)
         qw = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_L))), 1), 2)
         q_row, q_head, q_written, _ = _tile_rows(qrow, q_start, q_len, tok0, live, seq_len, G, BLOCK_Q)
@@ -766,30 +1003,54 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                                   seq_len, G, BLOCK_Q)
     row_end = gl.expand_dims(gl.expand_dims(row_end, 0), 1)
 
-    # ---- index tensors, K words
-    if WIDE_K:
-        k_w, kidx = _wide_key_indices(gl.SliceLayout(6, gl.SliceLayout(7, PK8)), NW, stride_cp, a_k)
+    if STAGES > 0:
+        gl.static_assert(not WIDE and KEY_BITS == 4 and VALUE_BITS == 4 and D == 128 and BLOCK_Q == 1,
+                         "TMA-staged pages: decode steps of 4-bit keys and values at D = 128")
+        # Whatever shared memory the prologue used (`_token_owner`) is done with before the stages take it.
+        _cta_barrier()
+        reserve = gl.allocate_shared_memory(gl.int32, [_bulk_reserve_words(NW, STAGES)],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        copy = _bulk_setup(cache_ptr, tma_ws_ptr, (pid * gl.num_programs(1) + kv_head) * num_splits + split,
+                           2 * stride_cp, num_blocks * 16, kv_head, stride_ch, NW, STAGES)
+        for pre in gl.static_range(STAGES):  # the warp's first STAGES pages, one per stage
+            _bulk_issue(_block_ids(bt_row, page_lo + pre * NW + copy[1], page_hi), page_lo + pre * NW, page_hi, copy,
+                        pre, num_blocks)
+        kidx, vidx, v_shift = _staged_indices(copy, a_k, gl.SliceLayout(6, gl.SliceLayout(7, PK8)), VW, VALUE_WORD,
+                                              NW, STAGES)
+        k_w = 0  # (not read)
+        v_w = 0
     else:
-        if KEY_BITS == 3:
-            k_w, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp, D)
+        # ---- index tensors, K words
+        if WIDE_K:
+            k_w, kidx = _wide_key_indices(gl.SliceLayout(6, gl.SliceLayout(7, PK8)), NW, stride_cp, a_k)
         else:
-            k_w, k_slot5, k_word5 = _key_words(KW, NW, k_cp, D)
-        kidx = (k_slot5, k_word5)
-    # ---- V words
-    if WIDE_V:
-        v_w, vidx = _wide_value_indices(gl.SliceLayout(6, gl.SliceLayout(7, PV8)), NW, stride_cp, a_v,
-                                               VALUE_WORD)
-    else:
-        v_w, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, D // 32)
-        v_slot6 = (8 * vw_h + 2 * vw_t + vw_e) * stride_cp
-        if VALUE_BITS == 3:  # runs of words 3r .. 3r + 2 (the last read twice): codes (D / 8) g ..
-            v_word6 = VALUE_WORD + (3 * D // 128) * vw_g + 3 * (vw_i // 4) + gl.minimum(vw_i % 4, 2)
+            if KEY_BITS == 3:
+                k_w, k_slot5, k_word5 = _key_words_3bit(KW, NW, k_cp, D)
+            else:
+                k_w, k_slot5, k_word5 = _key_words(KW, NW, k_cp, D)
+            kidx = (k_slot5, k_word5)
+        # ---- V words
+        if WIDE_V:
+            v_w, vidx = _wide_value_indices(gl.SliceLayout(6, gl.SliceLayout(7, PV8)), NW, stride_cp, a_v,
+                                            VALUE_WORD)
         else:
-            v_word6 = VALUE_WORD + vw_g + 8 * vw_i
-        vidx = (v_slot6, v_word6)
+            v_w, vw_h, vw_t, vw_e, vw_g, vw_i = _grid6(VW, NW, 2, 4, 2, 8, D // 32)
+            v_slot6 = (8 * vw_h + 2 * vw_t + vw_e) * stride_cp
+            if VALUE_BITS == 3:  # runs of words 3r .. 3r + 2 (the last read twice): codes (D / 8) g ..
+                v_word6 = VALUE_WORD + (3 * D // 128) * vw_g + 3 * (vw_i // 4) + gl.minimum(vw_i % 4, 2)
+            else:
+                v_word6 = VALUE_WORD + vw_g + 8 * vw_i
+            vidx = (v_slot6, v_word6)
     # ---- per-key scalars [w, key] in the score layout
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
+    if STAGES > 0:  # per key, the shared address of its slot's byte 0 in the key box and in the value box (- 64)
+        key_at = copy[0] + _BULK_STAGE0 + sk_w[:, None] * (STAGES * _BULK_STAGE) + a_k
+        bulk = (page_lo, page_hi, (key_at + sk_n[None, :] * _KBOX, key_at + 16 * _KBOX + sk_n[None, :] * _VBOX), copy)
+        copy_w = copy[1]
+    else:
+        bulk = 0  # (not read)
+        copy_w = 0
 
     if KEY_FP8:
         entry = gl.zeros([NW, 2, 8, 4, D // 16, 4], gl.int32, PK)  # (the fp8 words' broadcast shape)
@@ -821,37 +1082,59 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         l_i = gl.zeros([NW, NR], gl.float32, SR)
         z_i = gl.zeros([NW, NR], gl.float32, SR)
     zero_s = gl.zeros([NW, 16, NR], gl.float32, MMA)
-    # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
-    blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w, v_w, sk_w)
-    cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w), page_lo,
-                     kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n,
-                     KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
-    if ROTATE:  # (here, so that the first page's loads are in flight meanwhile)
-        q = _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_start, q_len, tok0, live,
-                           seq_len, a_k, G, BLOCK_Q, NR, NW, KEY_BITS, WIDE_K, B_L)
-    # With UNROLL 2, two pages per trip, so that the words loaded ahead never move between registers at
-    # the back edge; an odd count runs one page past ``page_hi``: no live keys, no change to the state.
-    for it in range(0, n_iter, UNROLL):
-        if UNROLL == 2:
-            words = cur
-            cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks,
-                             stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
-                             KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
-            blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w, v_w, sk_w)
-            key_pos = (page_lo + it * NW + sk_w[:, None]) * 16 + sk_n[None, :]
+    if STAGES > 0:
+        # One page per trip: the stages hold the pages ahead, so no words wait in registers. The block ids run one
+        # page ahead of their use.
+        blocks = _next_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
+        for it in range(0, n_iter):
+            page0 = page_lo + it * NW
+            words = _load_page(cache_ptr, kcache_ptr, blocks, page0, kv_end, num_blocks, stride_cn, stride_cp,
+                               head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD,
+                               ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
+            blocks = _next_blocks(bt_row, page0 + NW, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
+            key_pos = (page0 + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
                                               square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q,
                                               KEY_BITS, VALUE_BITS, PK, A_L, B_L, WIDE_K, WIDE_V, D)
-        words = cur
-        cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
-                         stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
-                         KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
-        blocks = _page_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w, v_w, sk_w)
-        key_pos = (page_lo + (it + UNROLL - 1) * NW + sk_w[:, None]) * 16 + sk_n[None, :]
-        acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
-                                          qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS, VALUE_BITS,
-                                          PK, A_L, B_L, WIDE_K, WIDE_V, D)
+    else:
+        # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
+        blocks = _next_blocks(bt_row, page_lo + NW, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
+        cur = _load_page(cache_ptr, kcache_ptr, _next_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES),
+                         page_lo, kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w,
+                         sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
+        if ROTATE:  # (here, so that the first page's loads are in flight meanwhile)
+            q = _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_start, q_len, tok0, live,
+                               seq_len, a_k, G, BLOCK_Q, NR, NW, KEY_BITS, WIDE_K, B_L)
+        # With UNROLL 2, two pages per trip, so that the words loaded ahead never move between registers at
+        # the back edge; an odd count runs one page past ``page_hi``: no live keys, no change to the state.
+        for it in range(0, n_iter, UNROLL):
+            if UNROLL == 2:
+                words = cur
+                cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks,
+                                 stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
+                                 KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
+                blocks = _next_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
+                key_pos = (page_lo + it * NW + sk_w[:, None]) * 16 + sk_n[None, :]
+                acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
+                                                  square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q,
+                                                  KEY_BITS, VALUE_BITS, PK, A_L, B_L, WIDE_K, WIDE_V, D)
+            words = cur
+            cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
+                             stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
+                             KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
+            blocks = _next_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w, v_w, sk_w, copy_w, NW,
+                                  STAGES)
+            key_pos = (page_lo + (it + UNROLL - 1) * NW + sk_w[:, None]) * 16 + sk_n[None, :]
+            acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
+                                              qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS, VALUE_BITS,
+                                              PK, A_L, B_L, WIDE_K, WIDE_V, D)
 
+    if STAGES > 0:  # every warp is done with its stages (no copy is in flight: each was waited for)
+        lane_i = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0])) % 32
+        _side_effect(_MBAR_INVAL, "=r,r,r", [copy[3] + 8 * lane_i, (lane_i < STAGES).to(gl.int32)])
+        _cta_barrier()
+        reserve.slice(_BULK_KEEP, 32 * NW).store(gl.zeros([32 * NW], gl.int32,
+                                                          gl.BlockedLayout([1], [32], [NW], [0])))
     # ---- merge the warps
     if NR == 16:
         l_i = gl.sum(l_i, axis=1)
@@ -868,6 +1151,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     orow = gl.arange(0, NR, layout=gl.SliceLayout(0, OL))
     if WIDE_V:  # row 32i + 8j + g holds code j of word i of lane g's rotated window: byte 2i + j // 2
         omem = 2 * ((8 * (on % 8) + 2 * (on // 32) + ((on // 8) % 4) // 2 - a_v + 64) % 64) + ((on // 8) % 4) % 2
+    elif STAGES > 0:  # ... nibble j of value word (g + 8i - shift) mod 32 (`_staged_indices`)
+        omem = 4 * ((8 * (on // 32) + on % 8 - v_shift + 32) % 32) + (on // 8) % 4
     elif VALUE_BITS == 3:  # row 32i + 8j + g holds code j of field i of lane g's codes (D / 8) g ..
         omem = (D // 8) * (on % 8) + 4 * (on // 32) + (on // 8) % 4
     else:  # ... nibble j of value word g + 8i
@@ -1010,6 +1295,12 @@ WIDE_LOADS = os.environ.get("TQ_GLUON_WIDE", "1") != "0"
 # (15 spill instructions per trip, 2 without) and the k3v4_nc one needs 9 more registers uncapped (178 -> 187),
 # so ptxas keeps fewer loads in flight. 3bit_nc has no 4-bit codes.
 WIDE_SLOTS = frozenset({(_slot_format("turboquant_k8v4"), False), (_slot_format("turboquant_4bit_nc"), True)})
+# Shared-memory stages per warp of the TMA-staged decode steps (``STAGES``, `_staged_page`): 4bit_nc decode steps at
+# D = 128 where `bulk_loads` holds (wide loads are off there). H200, B = 32 x 8k, Hq 32 / Hkv 8, CUDA-graph replay
+# (us): 16-bit register loads 177.1, 2 stages 160.6, 3 stages 162.4. Process switch ``TQ_GLUON_STAGES`` (0: loads
+# from global).
+BULK_STAGES = int(os.environ.get("TQ_GLUON_STAGES", "2"))
+STAGED_SLOTS = frozenset({_slot_format("turboquant_4bit_nc")})
 # Tiles of several query tokens rotate an mse query in the kernel (``ROTATE``); decode steps take it rotated by
 # `rotation.rotate_query`. H200, parity.bench, TQ_GLUON_ROTATE=0 / 1, a b a b (ms): q_len 4 B=32 x 8k 4bit_nc
 # 0.2340, 0.2338 / 0.2109, 0.2108; but decode steps lost: B=32 x 8k 4bit_nc 0.1856, 0.1849 / 0.2366, 0.2371
@@ -1058,6 +1349,13 @@ def tile_shape(*, num_tokens: int, num_seqs: int, group: int) -> tuple:
     speculative decoding): the decode path's tile (`tq_spec.dispatch.decode_tile_tokens`: ``16 // G``
     tokens of one sequence), 16 columns, so that each key is decoded once for all of them."""
     return (1, 8) if num_tokens <= num_seqs else (tq_spec.dispatch.decode_tile_tokens(group), 16)
+
+
+def bulk_loads(cache_strides: tuple, base_mod16: int = 0) -> bool:
+    """Whether the kernel may stage pages by TMA boxes (``STAGES``): the int16 cache is 16-byte aligned, its pages are
+    16 contiguous rows (block stride 16 slot strides) and its rows a multiple of 16 bytes (a box starts 16-byte
+    aligned in its row, and a tensor map's row stride is a multiple of 16 bytes). A per-call fact."""
+    return base_mod16 == 0 and cache_strides[0] == 16 * cache_strides[1] and cache_strides[1] % 8 == 0
 
 
 def wide_loads(cache_strides: tuple) -> bool:
@@ -1124,7 +1422,8 @@ def launch_shape(layout: tq_spec.Layout, *, num_tokens: int, num_q_heads: int, n
     splits_pad = max(2, 1 << (num_splits - 1).bit_length())
     rotates = ROTATE_IN_KERNEL and slot["KEY_BITS"] != 8 and block_q > 1
     constexprs = dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused, HAS_SINKS=has_sinks,
-                      SPLITS_PAD=splits_pad, ROTATE=rotates, num_warps=4,
+                      SPLITS_PAD=splits_pad, ROTATE=rotates,
+                      STAGES=BULK_STAGES if block_q == 1 and key in STAGED_SLOTS else 0, num_warps=4,
                       **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     wide = WIDE_LOADS and (key, block_q > 1) in WIDE_SLOTS
     # Tile ids as the decode path numbers them: sequence b's from s[b] // BLOCK_Q + b.
@@ -1137,10 +1436,10 @@ def launch_shape(layout: tq_spec.Layout, *, num_tokens: int, num_q_heads: int, n
 # `gluon_decode_kernel`'s runtime parameters in order: Triton signature types (its ``*tensors, *scalars``).
 # The pointers read come first, those written last (tq_jax passes them as a custom call's operands and results).
 KERNEL_POINTERS = ("q_ptr", "cache_ptr", "kcache_ptr", "cb_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "sinks_ptr",
-                   "rot_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr", "out_ptr", "ticket_ptr")
+                   "rot_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr", "out_ptr", "ticket_ptr", "tma_ws_ptr")
 KERNEL_SCALARS = ("stride_qt", "stride_qh", "stride_bt", "stride_cn", "stride_cp", "stride_ch", "k_stride_cn",
                   "k_stride_cp", "k_stride_ch", "num_blocks", "num_splits", "num_q_heads", "num_seqs", "num_tokens",
-                  "qk_scale", "max_seq_len", "stride_ot", "stride_oh", "base_mod8", "rot_scale")
+                  "qk_scale", "max_seq_len", "stride_ot", "stride_oh", "base_mod16", "rot_scale")
 
 
 def kernel_signature(slot: dict) -> dict:
@@ -1150,7 +1449,7 @@ def kernel_signature(slot: dict) -> dict:
     kcache = "*i32" if slot["KEY_BITS"] == 8 else "*i16"
     types = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr=kcache, cb_ptr="*fp32", bt_ptr="*i32",
                  seq_lens_ptr="*i32", qsl_ptr="*i32", sinks_ptr="*fp32", rot_ptr="*bf16", part_acc_ptr="*fp32",
-                 part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16", ticket_ptr="*i32")
+                 part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16", ticket_ptr="*i32", tma_ws_ptr="*u8")
     pointers = {n: types[n] for n in KERNEL_POINTERS}
     floats = ("qk_scale", "rot_scale")
     return dict(pointers, **{n: "fp32" if n in floats else "i32" for n in KERNEL_SCALARS})

@@ -34,11 +34,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_kernel_parameters_are_read_pointers_then_written_pointers_then_scalars():
     """jaxlib's Triton call hands the kernel the custom call's operands, then its results, then the scalars: the
-    kernel's parameters must come in that order (`gluon_decode.decode` passes 9 operands and 5 results)."""
+    kernel's parameters must come in that order (`gluon_decode.decode` passes 9 operands and 6 results)."""
     names = list(inspect.signature(shared.gluon_decode_kernel.fn).parameters)
     runtime = list(shared.KERNEL_POINTERS) + list(shared.KERNEL_SCALARS)
     assert names[:len(runtime)] == runtime
-    assert shared.KERNEL_POINTERS[9:] == ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "out_ptr", "ticket_ptr")
+    assert shared.KERNEL_POINTERS[9:] == ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "out_ptr", "ticket_ptr",
+                                          "tma_ws_ptr")
     assert all(p.annotation is not inspect.Parameter.empty for p in
                list(inspect.signature(shared.gluon_decode_kernel.fn).parameters.values())[len(runtime):])
 
@@ -74,7 +75,7 @@ consts.update(ROTATE=False, WIDE=False)
 name, ptx, shared_bytes = launcher.compiled(shared.gluon_decode_kernel,
                                             tuple(shared.kernel_signature(shape.slot).items()),
                                             tuple(sorted(consts.items())), tuple(sorted(options.items())),
-                                            tuple(range(14)), 90)
+                                            tuple(range(15)), 90)
 entry = ptx[ptx.index(".entry " + name):]
 entry = entry[:entry.index(")")]
 print("params", entry.count(".param"), "maxnreg", re.findall(r"[.]maxnreg (\\d+)", ptx))
@@ -82,7 +83,7 @@ print("params", entry.count(".param"), "maxnreg", re.findall(r"[.]maxnreg (\\d+)
 
 
 def test_tq_jax_build_of_the_kernel_compiles_for_sm90(tmp_path):
-    """The PTX jaxlib receives: the 34 runtime parameters plus Triton's two scratch pointers (jaxlib appends
+    """The PTX jaxlib receives: the 35 runtime parameters plus Triton's two scratch pointers (jaxlib appends
     two null pointers to every launch), and the register cap of the decode step's build."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

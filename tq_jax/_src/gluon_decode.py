@@ -81,18 +81,20 @@ def decode(q, kv_cache, centroids, block_table, seq_lens, query_start_loc, sinks
     cs = (page * hkv * slot_bytes // 2, hkv * slot_bytes // 2, slot_bytes // 2)  # the int16 words' strides
     ks = cs if shape.slot["KEY_BITS"] != 8 else tuple(s // 2 for s in cs)  # fp8 keys: int32 words
     # The query arrives rotated (an XLA dot before the call), so the kernel never rotates it; XLA's buffers
-    # are 16-byte aligned (jaxlib checks), so the cache starts at 0 mod 8.
-    constexprs = dict(shape.constexprs, ROTATE=False, WIDE=shape.wide and shared.wide_loads(cs))
+    # are 16-byte aligned (jaxlib checks), so the cache starts at 0 mod 16.
+    constexprs = dict(shape.constexprs, ROTATE=False, WIDE=shape.wide and shared.wide_loads(cs),
+                      STAGES=shape.constexprs["STAGES"] if shared.bulk_loads(cs) else 0)
     scalars = (hq * d, d, max_blocks, *cs, *ks, n, num_splits, hq, num_seqs, t,
                float(scale) * math.log2(math.e), shape.max_seq_len, hq * d, d, 0, 1.0)
     acc_n, m_n, _ = shape.part_sizes
     results = (jax.ShapeDtypeStruct((acc_n,), jnp.float32), jax.ShapeDtypeStruct((m_n,), jnp.float32),
                jax.ShapeDtypeStruct((m_n,), jnp.float32), jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16),
-               jax.ShapeDtypeStruct((max(shape.tickets, 1),), jnp.int32))
+               jax.ShapeDtypeStruct((max(shape.tickets, 1),), jnp.int32),
+               jax.ShapeDtypeStruct((math.prod(shape.grid) * 256,), jnp.uint8))  # the programs' tensor maps
     cb = centroids.astype(jnp.float32) if centroids is not None else jnp.zeros((1,), jnp.float32)  # fp8: unread
     sk = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((1,), jnp.float32)  # unread without sinks
     operands = (q, kv_cache, kv_cache, cb, block_table, seq_lens, query_start_loc, sk, q)  # rot_ptr: unread
-    part_acc, part_m, part_l, out, _ = kernel_call(
+    part_acc, part_m, part_l, out, _, _ = kernel_call(
         shared.gluon_decode_kernel, grid=shape.grid, signature=shared.kernel_signature(shape.slot),
         constexprs=constexprs, operands=operands, results=results, scalars=scalars,
         zeroed={4: 4 * shape.tickets})

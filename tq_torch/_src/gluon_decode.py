@@ -16,7 +16,8 @@ import triton.language as tl
 
 import tq_spec
 from tq_gluon.decode import (_FORMATS, HEAD_DIM, LOG2E, PRESETS, _query_dims, _slot_format,  # noqa: F401 (tests)
-                             gluon_decode_kernel, ineligible_shape, launch_shape, slot_key, tile_shape, wide_loads)
+                             gluon_decode_kernel, ineligible_shape, launch_shape, slot_key, tile_shape, wide_loads,
+                             bulk_loads)
 from tq_gluon.decode import num_splits as _num_splits
 
 from . import config
@@ -88,7 +89,7 @@ def decode_spec(layout: tq_spec.Layout, *, num_tokens: int, num_q_heads: int, nu
     shape = launch_shape(layout, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                          num_seqs=num_seqs, max_blocks=max_blocks, num_splits=num_splits, has_sinks=has_sinks)
     split = kernel_site(gluon_decode_kernel, dict(shape.constexprs, WIDE=shape.wide))
-    split_narrow = kernel_site(gluon_decode_kernel, dict(shape.constexprs, WIDE=False))
+    split_narrow = kernel_site(gluon_decode_kernel, dict(shape.constexprs, WIDE=False, STAGES=0))
     d = shape.slot["D"]
     merge = None if shape.fused else kernel_site(_decode_merge_kernel, dict(
         SPLITS_PAD=shape.splits_pad, D=d, D_PAD=d, HAS_SINKS=has_sinks, OUT_DTYPE=tl.bfloat16,
@@ -154,13 +155,14 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     qs, outs = q.stride(), out.stride()
     sinks = part_m if sinks is None else sinks  # (not read without sinks)
     counters = ticket_counters(q.device, tickets) if tickets else part_m
-    if not wide_loads(cs):
+    if not (wide_loads(cs) and bulk_loads(cs, cache_i16.data_ptr() % 16)):
         split = split_narrow
+    tma_ws = torch.empty(grid[0] * grid[1] * grid[2] * 256, dtype=torch.uint8, device=q.device)  # tensor maps
     tensors = (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, sinks, rotation_signs,
-               part_acc, part_m, part_l, out, counters)
+               part_acc, part_m, part_l, out, counters, tma_ws)
     scalars = (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
                cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len,
-               outs[0], outs[1], cache_i16.data_ptr() % 8, float(rotation_scale))
+               outs[0], outs[1], cache_i16.data_ptr() % 16, float(rotation_scale))
     if first is not None:
         first()
     split(grid, tensors, scalars)
