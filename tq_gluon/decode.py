@@ -234,9 +234,9 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # the kernel, once per program, into its 256 bytes of ``tma_ws_ptr``.
 _KBOX = gl.constexpr(80)  # key box row: codes, norm
 _VBOX = gl.constexpr(112)  # value box row (from row byte 64 past the key box's start): codes, scale, zero
-_BULK_STAGE = gl.constexpr(16 * (80 + 112))  # bytes per stage (a page): the key box, then the value box
-_BULK_STAGE0 = gl.constexpr(1024)  # mbarriers (bytes 0 ..), tensor-map templates (512 .., 768 ..), keep-alive (512 ..)
-_BULK_KEEP = gl.constexpr(128)  # int32 offset of the keep-alive words (the templates are dead by then)
+_STAGE_BYTES = gl.constexpr(16 * (80 + 112))  # bytes per stage (a page): the key box, then the value box
+_STAGE0 = gl.constexpr(1024)  # mbarriers (bytes 0 ..), tensor-map templates (512 .., 768 ..), keep-alive (512 ..)
+_STAGE_KEEP = gl.constexpr(128)  # int32 offset of the keep-alive words (the templates are dead by then)
 # The shared address of ``global_smem`` (where the kernel's shared memory starts).
 _SMEM_BASE = gl.constexpr("mov.u32 $0, global_smem;")
 # mbarrier at shared address $1 initialised for one arrival, where $2 != 0.
@@ -250,7 +250,7 @@ _MBAR_INIT_FENCE = gl.constexpr(
 _MBAR_INVAL = gl.constexpr(
     "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p mbarrier.inval.shared::cta.b64 [$1]; mov.b32 $0, 0; }")
 # A warp's shared reads (generic proxy) ordered before the copies it issues next (async proxy).
-_BULK_FENCE = gl.constexpr("fence.proxy.async.shared::cta; bar.warp.sync -1; mov.b32 $0, 0;")
+_STAGE_FENCE = gl.constexpr("fence.proxy.async.shared::cta; bar.warp.sync -1; mov.b32 $0, 0;")
 
 
 def _tensor_map_ptx(tmpl: str, ws: str, box: str) -> str:
@@ -290,7 +290,7 @@ _TMA_ISSUE = gl.constexpr(
     "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [dv], [$7, {xv, $4}], [$2]; "
     "mov.b32 $0, 0; }")
 # Unless $3 (a dead page): wait until mbarrier $1 completes the phase of parity $2.
-_BULK_WAIT = gl.constexpr(
+_STAGE_WAIT = gl.constexpr(
     "{ .reg .pred p, q; setp.ne.u32 q, $3, 0; @q bra.uni DONE; "
     "WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; @!p bra WAIT; DONE: mov.b32 $0, 0; }")
 # Key words of one key row block (keys 8h .. 8h + 7 and their + 8 partners by lane): ldmatrix.x4 of the key box's
@@ -323,8 +323,8 @@ def _axis(layout, dim, rank):
 
 
 @gluon.constexpr_function
-def _bulk_reserve_words(nw, stages):
-    """int32 words of shared memory the stages take (`_BULK_STAGE0` and ``nw * stages`` stages), as a power of two."""
+def _stage_reserve_words(nw, stages):
+    """int32 words of shared memory the stages take (`_STAGE0` and ``nw * stages`` stages), as a power of two."""
     need = (1024 + nw * stages * 16 * (80 + 112)) // 4
     return 1 << (need - 1).bit_length()
 
@@ -384,7 +384,7 @@ def _lds_u16(addr):
 
 
 @gluon.jit
-def _bulk_setup(cache_ptr, tma_ws_ptr, ws_slot, row_bytes, num_rows, kv_head, stride_ch, NW: gl.constexpr,
+def _stage_setup(cache_ptr, tma_ws_ptr, ws_slot, row_bytes, num_rows, kv_head, stride_ch, NW: gl.constexpr,
                 STAGES: gl.constexpr):
     """Per thread ``[32 NW]`` (a warp's lanes): the shared base, this warp's index, its stage 0, its mbarrier 0,
     whether the lane issues (lane 0), the two tensor maps' addresses and the boxes' x (the slots' row offset rounded
@@ -403,35 +403,36 @@ def _bulk_setup(cache_ptr, tma_ws_ptr, ws_slot, row_bytes, num_rows, kv_head, st
     _side_effect(_MBAR_INIT_FENCE, "=r", [])
     _cta_barrier()  # (warp 0 wrote the maps)
     _side_effect(_ACQUIRE_TENSOR_MAPS, "=r,l", [maps])
-    stage0 = smem + _BULK_STAGE0 + w * (STAGES * _BULK_STAGE)
+    stage0 = smem + _STAGE0 + w * (STAGES * _STAGE_BYTES)
     x = (2 * (kv_head * stride_ch) + i * 0) & -16
     return smem, w, stage0, bar0, (lane == 0).to(gl.int32), maps, maps + 128, x
 
 
 @gluon.jit
-def _bulk_issue(blk, page, page_hi, copy, s, num_blocks):
+def _stage_issue(blk, page, page_hi, copy, s, num_blocks):
     """Warp ``w``'s copies of page ``page + w`` (block ids ``blk`` ``[32 NW]``) into its stage ``s`` (lane 0); a page
     at or past ``page_hi`` copies nothing (a bad block id reads block 0, whose keys the page's ``ok`` masks)."""
     _, w, stage0, bar0, lane0, kmap, vmap, x = copy
     live = (page + w < page_hi).to(gl.int32)
     row = gl.where((blk >= 0) & (blk < num_blocks), blk, 0) * 16
     _side_effect(_TMA_ISSUE, "=r,r,r,r,r,r,l,l",
-                 [stage0 + s * _BULK_STAGE, bar0 + s * 8, x, row, lane0 * live, kmap, vmap])
+                 [stage0 + s * _STAGE_BYTES, bar0 + s * 8, x, row, lane0 * live, kmap, vmap])
 
 
 @gluon.jit
-def _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, bulk, KEY_NORM_WORD: gl.constexpr,
+def _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, staged, KEY_NORM_WORD: gl.constexpr,
                  SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr):
     """`_load_page` from the stages: wait for page ``page0 + w``'s stage, read its words (``kidx``, ``vidx``: the
-    `ldmatrix` operands in stage 0, `_staged_indices`; ``bulk``: ``(page_lo, page_hi, per-key addresses of their
+    `ldmatrix` operands in stage 0, `_staged_indices`; ``staged``: ``(page_lo, page_hi, per-key addresses of their
     slot byte 0 in each box, copy setup)``), then refill the stage with the warp's page ``STAGES`` trips ahead."""
-    page_lo, page_hi, s_addr, copy = bulk
+    page_lo, page_hi, s_addr, copy = staged
     issue_blk, sblk = blocks
     j = (page0 - page_lo) // NW  # the warp's page index (uniform)
     s = j % STAGES
     w = copy[1]
-    _side_effect(_BULK_WAIT, "=r,r,r,r", [copy[3] + s * 8, w * 0 + (j // STAGES) % 2, (page0 + w >= page_hi).to(gl.int32)])
-    at = s * _BULK_STAGE
+    _side_effect(_STAGE_WAIT, "=r,r,r,r",
+                 [copy[3] + s * 8, w * 0 + (j // STAGES) % 2, (page0 + w >= page_hi).to(gl.int32)])
+    at = s * _STAGE_BYTES
     k4, k1, ksel = kidx
     kwords = gl.inline_asm_elementwise(_LDSM_KEYS, _LDSM_KEYS_CONSTRAINTS, [k4 + at, k1 + at, ksel],
                                        dtype=gl.int32, is_pure=False, pack=4)
@@ -442,8 +443,8 @@ def _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, bul
     knorm = _lds_u16(k_at + (at + 2 * KEY_NORM_WORD)).to(gl.int16)
     vscale = _lds_u16(v_at + (at + 2 * SCALE_WORD - 64)).to(gl.int16)
     vzero = _lds_u16(v_at + (at + 2 * ZERO_WORD - 64)).to(gl.int16)
-    _side_effect(_BULK_FENCE, "=r", [])
-    _bulk_issue(issue_blk, page0 + STAGES * NW, page_hi, copy, s, num_blocks)
+    _side_effect(_STAGE_FENCE, "=r", [])
+    _stage_issue(issue_blk, page0 + STAGES * NW, page_hi, copy, s, num_blocks)
     _, ok = _page_base(sblk, num_blocks, 0, 0)
     ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
     return kwords, vwords, knorm, vscale, vzero, ok
@@ -461,7 +462,7 @@ def _staged_indices(copy, rot, KR: gl.constexpr, VW: gl.constexpr, VALUE_WORD: g
     w, h, g, t, b, c = _grid6(KR, NW, 2, 8, 4, 2, 2)
     ln = 4 * g + t
     krow = 8 * h + ln % 8
-    kst = smem + _BULK_STAGE0 + w * (STAGES * _BULK_STAGE)
+    kst = smem + _STAGE0 + w * (STAGES * _STAGE_BYTES)
     k4 = kst + krow * _KBOX + 16 * (ln // 8) + 0 * (b + c)
     k1 = kst + krow * _KBOX + 64 + 0 * (b + c)
     ksel = _selectors(rot, 4 * t, True) + 0 * (b + c + h)
@@ -471,7 +472,7 @@ def _staged_indices(copy, rot, KR: gl.constexpr, VW: gl.constexpr, VALUE_WORD: g
     vw_, vh, vt, ve, vg, vi = _grid6(VW, NW, 2, 4, 2, 8, 4)
     vln = 4 * vg + vt
     vrow = 8 * vh + vln % 8
-    vst = smem + _BULK_STAGE0 + vw_ * (STAGES * _BULK_STAGE) + 16 * _KBOX
+    vst = smem + _STAGE0 + vw_ * (STAGES * _STAGE_BYTES) + 16 * _KBOX
     v4 = vst + vrow * _VBOX + 16 * (c0 + vln // 8) + 0 * (ve + vi)
     v1 = vst + vrow * _VBOX + 16 * (c0 + 4) + 0 * (ve + vi)
     vsel = (vg < shift).to(gl.int32) + 0 * (ve + vi + vt)
@@ -479,21 +480,18 @@ def _staged_indices(copy, rot, KR: gl.constexpr, VW: gl.constexpr, VALUE_WORD: g
 
 
 @gluon.jit
-def _next_blocks(bt_row, page0, page_hi, k_w, v_w, sk_w, copy_w, NW: gl.constexpr, STAGES: gl.constexpr):
-    """The block ids `_load_page` takes for page ``page0 + w``: `_page_blocks`, or with ``STAGES`` the ids of the
-    page ``STAGES`` trips ahead (the copies it issues, ``[32 NW]``) and of the page itself (per key)."""
-    if STAGES > 0:
-        return (_block_ids(bt_row, page0 + STAGES * NW + copy_w, page_hi),
-                _block_ids(bt_row, page0 + sk_w[:, None], page_hi))
-    else:
-        return _page_blocks(bt_row, page0, page_hi, k_w, v_w, sk_w)
+def _staged_blocks(bt_row, page0, page_hi, sk_w, copy_w, NW: gl.constexpr, STAGES: gl.constexpr):
+    """The block ids `_staged_page` takes for page ``page0 + w``: those of the page ``STAGES`` trips ahead (the
+    copies it issues, ``[32 NW]``: ``copy_w`` is each thread's warp) and of the page itself (per key)."""
+    return (_block_ids(bt_row, page0 + STAGES * NW + copy_w, page_hi),
+            _block_ids(bt_row, page0 + sk_w[:, None], page_hi))
 
 
 @gluon.jit
 def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
                k_stride_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8: gl.constexpr,
                KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr,
-               WIDE_K: gl.constexpr, WIDE_V: gl.constexpr, bulk, NW: gl.constexpr, STAGES: gl.constexpr):
+               WIDE_K: gl.constexpr, WIDE_V: gl.constexpr, staged, NW: gl.constexpr, STAGES: gl.constexpr):
     """Raw words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: key words
     (``kidx``'s shape: int16 code words zero-extended to int32, or int32 words of four fp8 keys, from
     ``kcache_ptr``; with ``WIDE_K`` a lane's 16-byte window and 8 extra bytes, `_wide_key_indices`), V code
@@ -502,7 +500,7 @@ def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride
     zero bits and the key's validity (live page and key < ``seq_len``). With ``STAGES``, from the warp's stages
     (`_staged_page`)."""
     if STAGES > 0:
-        words = _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, bulk, KEY_NORM_WORD,
+        words = _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, staged, KEY_NORM_WORD,
                              SCALE_WORD, ZERO_WORD, NW, STAGES)
     else:
         kblk, vblk, sblk = blocks
@@ -895,7 +893,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     byte ``a`` past an 8-byte boundary; ``base_mod16``: the cache's address mod 16): 4-bit key and value codes
     are read by 8-byte loads at aligned addresses, the bytes a lane holds rotated by ``a`` (`_wide_key_indices`).
 
-    ``STAGES`` > 0 (decode steps of 4-bit keys and values at D = 128, not ``WIDE``; `bulk_loads` strides): each
+    ``STAGES`` > 0 (decode steps of 4-bit keys and values at D = 128, not ``WIDE``; `tma_loads` strides): each
     warp's pages stream through ``STAGES`` shared-memory stages filled by TMA boxes, and the lanes read their mma
     fragments from there by `ldmatrix` (`_staged_page`); ``tma_ws_ptr``: 256 bytes per program for its tensor maps
     (not read otherwise).
@@ -1008,17 +1006,15 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                          "TMA-staged pages: decode steps of 4-bit keys and values at D = 128")
         # Whatever shared memory the prologue used (`_token_owner`) is done with before the stages take it.
         _cta_barrier()
-        reserve = gl.allocate_shared_memory(gl.int32, [_bulk_reserve_words(NW, STAGES)],
+        reserve = gl.allocate_shared_memory(gl.int32, [_stage_reserve_words(NW, STAGES)],
                                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        copy = _bulk_setup(cache_ptr, tma_ws_ptr, (pid * gl.num_programs(1) + kv_head) * num_splits + split,
+        copy = _stage_setup(cache_ptr, tma_ws_ptr, (pid * gl.num_programs(1) + kv_head) * num_splits + split,
                            2 * stride_cp, num_blocks * 16, kv_head, stride_ch, NW, STAGES)
         for pre in gl.static_range(STAGES):  # the warp's first STAGES pages, one per stage
-            _bulk_issue(_block_ids(bt_row, page_lo + pre * NW + copy[1], page_hi), page_lo + pre * NW, page_hi, copy,
+            _stage_issue(_block_ids(bt_row, page_lo + pre * NW + copy[1], page_hi), page_lo + pre * NW, page_hi, copy,
                         pre, num_blocks)
         kidx, vidx, v_shift = _staged_indices(copy, a_k, gl.SliceLayout(6, gl.SliceLayout(7, PK8)), VW, VALUE_WORD,
                                               NW, STAGES)
-        k_w = 0  # (not read)
-        v_w = 0
     else:
         # ---- index tensors, K words
         if WIDE_K:
@@ -1045,12 +1041,11 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
     if STAGES > 0:  # per key, the shared address of its slot's byte 0 in the key box and in the value box (- 64)
-        key_at = copy[0] + _BULK_STAGE0 + sk_w[:, None] * (STAGES * _BULK_STAGE) + a_k
-        bulk = (page_lo, page_hi, (key_at + sk_n[None, :] * _KBOX, key_at + 16 * _KBOX + sk_n[None, :] * _VBOX), copy)
+        key_at = copy[0] + _STAGE0 + sk_w[:, None] * (STAGES * _STAGE_BYTES) + a_k
+        staged = (page_lo, page_hi, (key_at + sk_n[None, :] * _KBOX, key_at + 16 * _KBOX + sk_n[None, :] * _VBOX), copy)
         copy_w = copy[1]
     else:
-        bulk = 0  # (not read)
-        copy_w = 0
+        staged = 0  # (not read)
 
     if KEY_FP8:
         entry = gl.zeros([NW, 2, 8, 4, D // 16, 4], gl.int32, PK)  # (the fp8 words' broadcast shape)
@@ -1085,23 +1080,23 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     if STAGES > 0:
         # One page per trip: the stages hold the pages ahead, so no words wait in registers. The block ids run one
         # page ahead of their use.
-        blocks = _next_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
+        blocks = _staged_blocks(bt_row, page_lo, page_hi, sk_w, copy_w, NW, STAGES)
         for it in range(0, n_iter):
             page0 = page_lo + it * NW
             words = _load_page(cache_ptr, kcache_ptr, blocks, page0, kv_end, num_blocks, stride_cn, stride_cp,
                                head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD,
-                               ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
-            blocks = _next_blocks(bt_row, page0 + NW, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
+                               ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
+            blocks = _staged_blocks(bt_row, page0 + NW, page_hi, sk_w, copy_w, NW, STAGES)
             key_pos = (page0 + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
                                               square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q,
                                               KEY_BITS, VALUE_BITS, PK, A_L, B_L, WIDE_K, WIDE_V, D)
     else:
         # Block ids run one page ahead of the words: a page's addresses never wait on its block id.
-        blocks = _next_blocks(bt_row, page_lo + NW, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
-        cur = _load_page(cache_ptr, kcache_ptr, _next_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES),
-                         page_lo, kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w,
-                         sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
+        blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w, v_w, sk_w)
+        cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w), page_lo,
+                         kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n,
+                         KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
         if ROTATE:  # (here, so that the first page's loads are in flight meanwhile)
             q = _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_start, q_len, tok0, live,
                                seq_len, a_k, G, BLOCK_Q, NR, NW, KEY_BITS, WIDE_K, B_L)
@@ -1112,8 +1107,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                 words = cur
                 cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks,
                                  stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
-                                 KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
-                blocks = _next_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w, v_w, sk_w, copy_w, NW, STAGES)
+                                 KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
+                blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w, v_w, sk_w)
                 key_pos = (page_lo + it * NW + sk_w[:, None]) * 16 + sk_n[None, :]
                 acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
                                                   square_scale, qk_scale, key_pos, row_end, NW, NR, BLOCK_Q,
@@ -1121,9 +1116,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
             words = cur
             cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
                              stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
-                             KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, bulk, NW, STAGES)
-            blocks = _next_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w, v_w, sk_w, copy_w, NW,
-                                  STAGES)
+                             KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
+            blocks = _page_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w, v_w, sk_w)
             key_pos = (page_lo + (it + UNROLL - 1) * NW + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
                                               qk_scale, key_pos, row_end, NW, NR, BLOCK_Q, KEY_BITS, VALUE_BITS,
@@ -1133,7 +1127,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         lane_i = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0])) % 32
         _side_effect(_MBAR_INVAL, "=r,r,r", [copy[3] + 8 * lane_i, (lane_i < STAGES).to(gl.int32)])
         _cta_barrier()
-        reserve.slice(_BULK_KEEP, 32 * NW).store(gl.zeros([32 * NW], gl.int32,
+        reserve.slice(_STAGE_KEEP, 32 * NW).store(gl.zeros([32 * NW], gl.int32,
                                                           gl.BlockedLayout([1], [32], [NW], [0])))
     # ---- merge the warps
     if NR == 16:
@@ -1296,10 +1290,10 @@ WIDE_LOADS = os.environ.get("TQ_GLUON_WIDE", "1") != "0"
 # so ptxas keeps fewer loads in flight. 3bit_nc has no 4-bit codes.
 WIDE_SLOTS = frozenset({(_slot_format("turboquant_k8v4"), False), (_slot_format("turboquant_4bit_nc"), True)})
 # Shared-memory stages per warp of the TMA-staged decode steps (``STAGES``, `_staged_page`): 4bit_nc decode steps at
-# D = 128 where `bulk_loads` holds (wide loads are off there). H200, B = 32 x 8k, Hq 32 / Hkv 8, CUDA-graph replay
+# D = 128 where `tma_loads` holds (wide loads are off there). H200, B = 32 x 8k, Hq 32 / Hkv 8, CUDA-graph replay
 # (us): 16-bit register loads 177.1, 2 stages 160.6, 3 stages 162.4. Process switch ``TQ_GLUON_STAGES`` (0: loads
 # from global).
-BULK_STAGES = int(os.environ.get("TQ_GLUON_STAGES", "2"))
+TMA_STAGES = int(os.environ.get("TQ_GLUON_STAGES", "2"))
 STAGED_SLOTS = frozenset({_slot_format("turboquant_4bit_nc")})
 # Tiles of several query tokens rotate an mse query in the kernel (``ROTATE``); decode steps take it rotated by
 # `rotation.rotate_query`. H200, parity.bench, TQ_GLUON_ROTATE=0 / 1, a b a b (ms): q_len 4 B=32 x 8k 4bit_nc
@@ -1351,7 +1345,7 @@ def tile_shape(*, num_tokens: int, num_seqs: int, group: int) -> tuple:
     return (1, 8) if num_tokens <= num_seqs else (tq_spec.dispatch.decode_tile_tokens(group), 16)
 
 
-def bulk_loads(cache_strides: tuple, base_mod16: int = 0) -> bool:
+def tma_loads(cache_strides: tuple, base_mod16: int = 0) -> bool:
     """Whether the kernel may stage pages by TMA boxes (``STAGES``): the int16 cache is 16-byte aligned, its pages are
     16 contiguous rows (block stride 16 slot strides) and its rows a multiple of 16 bytes (a box starts 16-byte
     aligned in its row, and a tensor map's row stride is a multiple of 16 bytes). A per-call fact."""
@@ -1423,7 +1417,7 @@ def launch_shape(layout: tq_spec.Layout, *, num_tokens: int, num_q_heads: int, n
     rotates = ROTATE_IN_KERNEL and slot["KEY_BITS"] != 8 and block_q > 1
     constexprs = dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused, HAS_SINKS=has_sinks,
                       SPLITS_PAD=splits_pad, ROTATE=rotates,
-                      STAGES=BULK_STAGES if block_q == 1 and key in STAGED_SLOTS else 0, num_warps=4,
+                      STAGES=TMA_STAGES if block_q == 1 and key in STAGED_SLOTS else 0, num_warps=4,
                       **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     wide = WIDE_LOADS and (key, block_q > 1) in WIDE_SLOTS
     # Tile ids as the decode path numbers them: sequence b's from s[b] // BLOCK_Q + b.

@@ -83,7 +83,7 @@ def decode(q, kv_cache, centroids, block_table, seq_lens, query_start_loc, sinks
     # The query arrives rotated (an XLA dot before the call), so the kernel never rotates it; XLA's buffers
     # are 16-byte aligned (jaxlib checks), so the cache starts at 0 mod 16.
     constexprs = dict(shape.constexprs, ROTATE=False, WIDE=shape.wide and shared.wide_loads(cs),
-                      STAGES=shape.constexprs["STAGES"] if shared.bulk_loads(cs) else 0)
+                      STAGES=shape.constexprs["STAGES"] if shared.tma_loads(cs) else 0)
     scalars = (hq * d, d, max_blocks, *cs, *ks, n, num_splits, hq, num_seqs, t,
                float(scale) * math.log2(math.e), shape.max_seq_len, hq * d, d, 0, 1.0)
     acc_n, m_n, _ = shape.part_sizes

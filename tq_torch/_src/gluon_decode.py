@@ -17,7 +17,7 @@ import triton.language as tl
 import tq_spec
 from tq_gluon.decode import (_FORMATS, HEAD_DIM, LOG2E, PRESETS, _query_dims, _slot_format,  # noqa: F401 (tests)
                              gluon_decode_kernel, ineligible_shape, launch_shape, slot_key, tile_shape, wide_loads,
-                             bulk_loads)
+                             tma_loads)
 from tq_gluon.decode import num_splits as _num_splits
 
 from . import config
@@ -155,7 +155,7 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     qs, outs = q.stride(), out.stride()
     sinks = part_m if sinks is None else sinks  # (not read without sinks)
     counters = ticket_counters(q.device, tickets) if tickets else part_m
-    if not (wide_loads(cs) and bulk_loads(cs, cache_i16.data_ptr() % 16)):
+    if not (wide_loads(cs) and tma_loads(cs, cache_i16.data_ptr() % 16)):
         split = split_narrow
     tma_ws = torch.empty(grid[0] * grid[1] * grid[2] * 256, dtype=torch.uint8, device=q.device)  # tensor maps
     tensors = (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, sinks, rotation_signs,
