@@ -414,6 +414,28 @@ def test_wide_loads_where_they_won_and_where_the_strides_allow(preset, num_token
     assert not gluon_decode.wide_loads((16 * 8 * 67, 8 * 67 + 2, 67, 1))  # a padded slot stride
 
 
+@pytest.mark.parametrize("preset,num_tokens,head_dim,staged", [
+    ("turboquant_4bit_nc", 8, 128, True), ("turboquant_4bit_nc", 32, 128, False), ("turboquant_4bit_nc", 8, 256, False),
+    ("turboquant_k3v4_nc", 8, 128, False), ("turboquant_3bit_nc", 8, 128, False), ("turboquant_k8v4", 8, 128, False)])
+def test_tma_stages_where_they_apply_and_where_the_cache_allows(preset, num_tokens, head_dim, staged):
+    """Decode steps of 4bit_nc at D = 128 stream their pages through TMA stages (`TMA_STAGES`); tiles of several
+    tokens, D = 256 and the other slots do not. Per call, the cache must be 16-byte aligned with pages of 16
+    contiguous rows that are multiples of 16 bytes (`tma_loads`: 8 or 16 kv heads of 134-byte slots), else the
+    register build runs."""
+    import tq_spec
+
+    lay = tq_spec.layout(preset, head_dim)
+    shape = shared_decode.launch_shape(lay, num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, num_seqs=8,
+                                       max_blocks=64, num_splits=2, has_sinks=False)
+    assert shape.constexprs["STAGES"] == (shared_decode.TMA_STAGES if staged else 0)
+    slot = tq_spec.layout("turboquant_4bit_nc", 128).slot_bytes
+    for hkv in (1, 2, 4, 8, 16):
+        strides = (16 * hkv * slot // 2, hkv * slot // 2, slot // 2, 1)  # the int16 view's
+        assert shared_decode.tma_loads(strides) == (hkv % 8 == 0), hkv
+        assert not shared_decode.tma_loads(strides, 2)  # a cache 2 bytes past a 16-byte boundary
+    assert not shared_decode.tma_loads((16 * 8 * 67 + 8, 8 * 67, 67, 1))  # pages not 16 contiguous rows
+
+
 WIDE_CASES = (GPU_CASES[0], GPU_CASES[1], GPU_CASES[5], GPU_CASES[8])
 
 
