@@ -76,7 +76,7 @@ class DecodeSpec(NamedTuple):
     max_seq_len: int  # what the block table can address
     slot: dict  # the slot format's constexprs (`tq_gluon.decode._FORMATS`)
     tickets: int  # counters of the fused merge (0: none)
-    split_narrow: object  # `split` without wide loads (`wide_loads`)
+    split_narrow: object  # `split` without wide loads or TMA stages (for caches `wide_loads` or `tma_loads` refuse)
     rotates: bool  # the kernel rotates the query (``ROTATE``): `launch_decode_spec` takes it as given
 
 
@@ -155,7 +155,8 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     qs, outs = q.stride(), out.stride()
     sinks = part_m if sinks is None else sinks  # (not read without sinks)
     counters = ticket_counters(q.device, tickets) if tickets else part_m
-    if not (wide_loads(cs) and tma_loads(cs, cache_i16.data_ptr() % 16)):
+    if ((split.constexprs["WIDE"] and not wide_loads(cs))
+            or (split.constexprs["STAGES"] and not tma_loads(cs, cache_i16.data_ptr() % 16))):
         split = split_narrow
     tma_ws = torch.empty(grid[0] * grid[1] * grid[2] * 256, dtype=torch.uint8, device=q.device)  # tensor maps
     tensors = (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, sinks, rotation_signs,
