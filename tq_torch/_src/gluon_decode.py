@@ -147,18 +147,26 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
     (split, grid, merge, merge_grid, part_numel, part_sizes, splits, num_seqs, max_seq_len, slot, tickets,
      split_narrow, _) = spec
     t, hq, _ = q.shape
-    parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
-    part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
     cs = cache_i16.stride()
+    if ((split.constexprs["WIDE"] and not wide_loads(cs))
+            or (split.constexprs["STAGES"] and not tma_loads(cs, cache_i16.data_ptr() % 16))):
+        split = split_narrow
+    if split.constexprs["STAGES"]:
+        # One allocation: each program's 256 bytes for its tensor maps (64 fp32 words, first, so that they start
+        # 256-byte aligned), then the partials.
+        ws_words = grid[0] * grid[1] * grid[2] * 64
+        parts = torch.empty(ws_words + part_numel, dtype=torch.float32, device=q.device)
+        tma_ws, part_acc, part_m, part_l = torch.split_with_sizes(parts, (ws_words,) + tuple(part_sizes))
+        tma_ws = tma_ws.view(torch.uint8)
+    else:
+        parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
+        part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
+        tma_ws = part_m  # (not read without TMA stages)
     kcache = cache_i16.view(torch.int32) if slot["KEY_BITS"] == 8 else cache_i16
     ks = kcache.stride()
     qs, outs = q.stride(), out.stride()
     sinks = part_m if sinks is None else sinks  # (not read without sinks)
     counters = ticket_counters(q.device, tickets) if tickets else part_m
-    if ((split.constexprs["WIDE"] and not wide_loads(cs))
-            or (split.constexprs["STAGES"] and not tma_loads(cs, cache_i16.data_ptr() % 16))):
-        split = split_narrow
-    tma_ws = torch.empty(grid[0] * grid[1] * grid[2] * 256, dtype=torch.uint8, device=q.device)  # tensor maps
     tensors = (q, cache_i16, kcache, centroids, block_table, seq_lens, query_start_loc, sinks, rotation_signs,
                part_acc, part_m, part_l, out, counters, tma_ws)
     scalars = (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
