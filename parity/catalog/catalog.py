@@ -57,6 +57,10 @@ GROUP_NOTES = {
                    "vectors (scale clamped to 1e-8, codes 0)",
     "splits": "decode with exactly one split and with more splits than key tiles (empty splits), both through "
               "the log-sum-exp merge (forced through the kernels' private split override)",
+    "kv-heads": "caches of 8 and 16 kv heads (Llama-like rows): the decode's fast loads depend on the row's byte "
+                "strides, so only these reach them (4bit_nc pages streamed by TMA boxes where rows are 16-byte "
+                "multiples, each kv head's slots at its own offset mod 16); splits, sinks, windows, soft caps, "
+                "padding rows and CUDA graphs on them",
     "sinks": "sinks as a class of their own on every path: single-split decode, short sequences, q_len 0 rows, "
              "windows",
     "softcap-small": "soft caps of 1-5: small enough that a cap applied after masking (or not at all) shows",
@@ -416,6 +420,32 @@ def _splits() -> list[Sweep]:
     ]
 
 
+def _kv_heads() -> list[Sweep]:
+    decode_mix = ((4100, 1), (1, 1), (17, 1), (0, 0), (300, 1), (16, 1), (33, 1))
+    return [
+        Sweep("kv-heads", dict(head_dim=64, num_q_heads=32, num_kv_heads=8, block_size=16,
+                               seqs=((40, 1), (1, 1), (17, 1)), checks=ATTENTION_ONLY),
+              {"preset": ("turboquant_4bit_nc",)}, modes=("quick",)),
+        # Decode steps: every quantized preset at G = 4 over 8 kv heads and G = 2 over 16, natural and forced splits.
+        Sweep("kv-heads", dict(head_dim=128, block_size=16, seqs=decode_mix, decode_splits=(1, 16)),
+              {"preset": QUANTIZED, ("num_q_heads", "num_kv_heads"): [(32, 8), (32, 16)]}, modes=("full",)),
+        # The staged 4bit_nc decode with sinks, a window, a soft cap; then tiles of several query tokens.
+        Sweep("kv-heads", dict(preset="turboquant_4bit_nc", head_dim=128, num_q_heads=32, num_kv_heads=8,
+                               block_size=16, checks=ATTENTION_ONLY),
+              {("seqs", "sinks", "sliding_window", "logits_soft_cap", "data"): [
+                  (decode_mix, True, None, None, "normal"), (decode_mix, False, 256, None, "normal"),
+                  (decode_mix, False, None, 5.0, "sharp"), (((900, 3), (2000, 5), (40, 40)), False, None, None,
+                                                            "normal")]},
+              modes=("full",)),
+        Sweep("kv-heads", dict(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16, pad_rows=5,
+                               seqs=((900, 1), (0, 0), (33, 1), (2, 1)), checks=STORE_AND_ATTENTION + ("determinism",)),
+              {"preset": ("turboquant_4bit_nc", "turboquant_k3v4_nc")}, modes=("full",)),
+        Sweep("kv-heads", dict(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16, gpu_only=True,
+                               seqs=((300, 1), (77, 1), (1, 1), (0, 0)), sinks=True, checks=("cuda-graph",)),
+              {"preset": ("turboquant_4bit_nc",)}, modes=("full",)),
+    ]
+
+
 def _sinks() -> list[Sweep]:
     return [
         # Short sequences on 8-token pages: a 16-token block table is one key tile, so decode runs a
@@ -576,7 +606,8 @@ def sweeps(mode: str) -> list:
         *_flashinfer_short(), *_window_paths(), *_very_negative(), *_tile_padding(), *_gqa(), *_far_pages(),
         *_softcap_mask(), *_poison(), *_empty_splits(), *_window_edge(), *_bit_widths(), *_page_sizes(),
         *_chunking(), *_params_as_data(), *_dtypes(), *_key_ties(), *_fp8_saturate(), *_value_lanes(),
-        *_splits(), *_sinks(), *_softcap_small(), *_nan_propagation(), *_padding(), *_cuda_graph(), _random(mode),
+        *_splits(), *_kv_heads(), *_sinks(), *_softcap_small(), *_nan_propagation(), *_padding(), *_cuda_graph(),
+        _random(mode),
     ]
 
 
