@@ -231,7 +231,9 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # that the rotation moved past the 64 code bytes back in. The stages live at fixed byte offsets from
 # ``global_smem``, addressed by inline asm, which Triton's barrier pass does not see: the kernel reserves that
 # shared memory and puts a CTA barrier before the first and after the last use. The two tensor maps are built in
-# the kernel, once per program, into its 256 bytes of ``tma_ws_ptr``.
+# the kernel, once per program, into its `MAP_WORDS` fp32 words (256 bytes) of ``tma_ws_ptr``.
+MAP_WORDS = 64
+_MAP_WORDS = gl.constexpr(MAP_WORDS)
 _KBOX = gl.constexpr(80)  # key box row: codes, norm
 _VBOX = gl.constexpr(112)  # value box row (from row byte 64 past the key box's start): codes, scale, zero
 _STAGE_BYTES = gl.constexpr(16 * (80 + 112))  # bytes per stage (a page): the key box, then the value box
@@ -395,7 +397,7 @@ def _stage_setup(cache_ptr, tma_ws_ptr, ws_slot, row_bytes, num_rows, kv_head, s
     w = i // 32
     smem = gl.inline_asm_elementwise(_SMEM_BASE, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
     bar0 = smem + w * (STAGES * 8)
-    maps = tma_ws_ptr + (ws_slot.to(gl.int64) * 256 + i * 0)
+    maps = tma_ws_ptr + (ws_slot.to(gl.int64) * _MAP_WORDS + i * 0)
     _side_effect(_MAKE_TENSOR_MAPS, "=r,r,l,l,r,r,l",
                  [smem + 512 + i * 0, maps, cache_ptr + i * 0, row_bytes + i * 0, num_rows + i * 0,
                   row_bytes.to(gl.int64) + i * 0])
@@ -405,7 +407,7 @@ def _stage_setup(cache_ptr, tma_ws_ptr, ws_slot, row_bytes, num_rows, kv_head, s
     _side_effect(_ACQUIRE_TENSOR_MAPS, "=r,l", [maps])
     stage0 = smem + _STAGE0 + w * (STAGES * _STAGE_BYTES)
     x = (2 * (kv_head * stride_ch) + i * 0) & -16
-    return smem, w, stage0, bar0, (lane == 0).to(gl.int32), maps, maps + 128, x
+    return smem, w, stage0, bar0, (lane == 0).to(gl.int32), maps, maps + _MAP_WORDS // 2, x
 
 
 @gluon.jit
@@ -895,8 +897,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
 
     ``STAGES`` > 0 (decode steps of 4-bit keys and values at D = 128, not ``WIDE``; `tma_loads` strides): each
     warp's pages stream through ``STAGES`` shared-memory stages filled by TMA boxes, and the lanes read their mma
-    fragments from there by `ldmatrix` (`_staged_page`); ``tma_ws_ptr``: 256 bytes per program for its tensor maps
-    (not read otherwise).
+    fragments from there by `ldmatrix` (`_staged_page`); ``tma_ws_ptr``: `MAP_WORDS` fp32 words per program for its
+    tensor maps (`LaunchShape.map_words`; not read otherwise).
     """
     pid = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -1395,6 +1397,7 @@ class LaunchShape(NamedTuple):
     fused: bool  # the last split of each (row, kv head) merges (``FUSED_MERGE``)
     grid: tuple  # (tiles, kv heads, splits)
     part_sizes: tuple  # fp32 elements of the acc ``[T, Hq, S, D]``, m and l ``[T, Hq, S]`` partials
+    map_words: int  # fp32 words of the programs' tensor maps (``tma_ws_ptr``: `MAP_WORDS` each; 0: no TMA stages)
     tickets: int  # int32 counters of the fused merge, zero before the launch (0: none)
     splits_pad: int  # the splits as a power of two (the merge's loads)
     max_seq_len: int  # what the block table can address
@@ -1415,15 +1418,19 @@ def launch_shape(layout: tq_spec.Layout, *, num_tokens: int, num_q_heads: int, n
     fused = FUSED_MERGE and block_q == 1 and num_splits <= FUSED_MERGE_MAX_SPLITS and key in MERGES_IN_KERNEL
     splits_pad = max(2, 1 << (num_splits - 1).bit_length())
     rotates = ROTATE_IN_KERNEL and slot["KEY_BITS"] != 8 and block_q > 1
-    constexprs = dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused, HAS_SINKS=has_sinks,
-                      SPLITS_PAD=splits_pad, ROTATE=rotates,
-                      STAGES=TMA_STAGES if block_q == 1 and key in STAGED_SLOTS else 0, num_warps=4,
-                      **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     wide = WIDE_LOADS and (key, block_q > 1) in WIDE_SLOTS
+    # Wide register loads and TMA stages exclude each other (the kernel asserts it); wide loads win where a
+    # format is listed for both (say a test forcing `WIDE_SLOTS`).
+    staged = block_q == 1 and key in STAGED_SLOTS and not wide
+    constexprs = dict(G=group, **slot, BLOCK_Q=block_q, NR=nr, FUSED_MERGE=fused, HAS_SINKS=has_sinks,
+                      SPLITS_PAD=splits_pad, ROTATE=rotates, STAGES=TMA_STAGES if staged else 0, num_warps=4,
+                      **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     # Tile ids as the decode path numbers them: sequence b's from s[b] // BLOCK_Q + b.
     tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     rows = num_tokens * num_q_heads * num_splits
-    return LaunchShape(constexprs, wide, rotates, fused, (tiles, num_kv_heads, num_splits), (rows * d, rows, rows),
+    grid = (tiles, num_kv_heads, num_splits)
+    return LaunchShape(constexprs, wide, rotates, fused, grid, (rows * d, rows, rows),
+                       tiles * num_kv_heads * num_splits * MAP_WORDS if staged else 0,
                        tiles * num_kv_heads if fused else 0, splits_pad, max_blocks * PAGE_SIZE, slot)
 
 
@@ -1443,7 +1450,7 @@ def kernel_signature(slot: dict) -> dict:
     kcache = "*i32" if slot["KEY_BITS"] == 8 else "*i16"
     types = dict(q_ptr="*bf16", cache_ptr="*i16", kcache_ptr=kcache, cb_ptr="*fp32", bt_ptr="*i32",
                  seq_lens_ptr="*i32", qsl_ptr="*i32", sinks_ptr="*fp32", rot_ptr="*bf16", part_acc_ptr="*fp32",
-                 part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16", ticket_ptr="*i32", tma_ws_ptr="*u8")
+                 part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr="*bf16", ticket_ptr="*i32", tma_ws_ptr="*fp32")
     pointers = {n: types[n] for n in KERNEL_POINTERS}
     floats = ("qk_scale", "rot_scale")
     return dict(pointers, **{n: "fp32" if n in floats else "i32" for n in KERNEL_SCALARS})

@@ -436,6 +436,19 @@ def test_tma_stages_where_they_apply_and_where_the_cache_allows(preset, num_toke
     assert not shared_decode.tma_loads((16 * 8 * 67 + 8, 8 * 67, 67, 1))  # pages not 16 contiguous rows
 
 
+def test_wide_loads_and_tma_stages_exclude_each_other(monkeypatch):
+    """A format listed for wide loads too (as `test_gpu_gluon_decode_wide_loads_match_reference` forces) takes the
+    wide register build: the kernel asserts that no build has both."""
+    import tq_spec
+
+    lay = tq_spec.layout("turboquant_4bit_nc", 128)
+    fmt = shared_decode.slot_key(lay)
+    monkeypatch.setattr(shared_decode, "WIDE_SLOTS", frozenset({(fmt, False), (fmt, True)}))
+    shape = shared_decode.launch_shape(lay, num_tokens=8, num_q_heads=32, num_kv_heads=8, num_seqs=8,
+                                       max_blocks=64, num_splits=2, has_sinks=False)
+    assert shape.wide and shape.constexprs["STAGES"] == 0
+
+
 WIDE_CASES = (GPU_CASES[0], GPU_CASES[1], GPU_CASES[5], GPU_CASES[8])
 
 

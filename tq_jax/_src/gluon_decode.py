@@ -90,7 +90,7 @@ def decode(q, kv_cache, centroids, block_table, seq_lens, query_start_loc, sinks
     results = (jax.ShapeDtypeStruct((acc_n,), jnp.float32), jax.ShapeDtypeStruct((m_n,), jnp.float32),
                jax.ShapeDtypeStruct((m_n,), jnp.float32), jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16),
                jax.ShapeDtypeStruct((max(shape.tickets, 1),), jnp.int32),
-               jax.ShapeDtypeStruct((math.prod(shape.grid) * 256,), jnp.uint8))  # the programs' tensor maps
+               jax.ShapeDtypeStruct((max(shape.map_words, 1),), jnp.float32))  # the programs' tensor maps
     cb = centroids.astype(jnp.float32) if centroids is not None else jnp.zeros((1,), jnp.float32)  # fp8: unread
     sk = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((1,), jnp.float32)  # unread without sinks
     operands = (q, kv_cache, kv_cache, cb, block_table, seq_lens, query_start_loc, sk, q)  # rot_ptr: unread

@@ -69,8 +69,8 @@ class DecodeSpec(NamedTuple):
     grid: tuple
     merge: Optional[object]  # `KernelSite` of `decode._decode_merge_kernel`; None: merged in the kernel
     merge_grid: tuple
-    part_numel: int  # fp32 elements of the three partial buffers
-    part_sizes: tuple  # acc, m, l
+    part_numel: int  # fp32 elements of the tensor maps' workspace and the three partial buffers (one allocation)
+    part_sizes: tuple  # the tensor maps (`LaunchShape.map_words`; first, so 256-byte aligned), acc, m, l
     num_splits: int
     num_seqs: int
     max_seq_len: int  # what the block table can address
@@ -94,7 +94,8 @@ def decode_spec(layout: tq_spec.Layout, *, num_tokens: int, num_q_heads: int, nu
     merge = None if shape.fused else kernel_site(_decode_merge_kernel, dict(
         SPLITS_PAD=shape.splits_pad, D=d, D_PAD=d, HAS_SINKS=has_sinks, OUT_DTYPE=tl.bfloat16,
         INTERPRET=False, num_warps=4))
-    return DecodeSpec(split, shape.grid, merge, (num_tokens, num_q_heads), sum(shape.part_sizes), shape.part_sizes,
+    part_sizes = (shape.map_words, *shape.part_sizes)
+    return DecodeSpec(split, shape.grid, merge, (num_tokens, num_q_heads), sum(part_sizes), part_sizes,
                       num_splits, num_seqs, shape.max_seq_len, shape.slot, shape.tickets, split_narrow,
                       shape.rotates)
 
@@ -148,20 +149,12 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
      split_narrow, _) = spec
     t, hq, _ = q.shape
     cs = cache_i16.stride()
+    base_mod16 = cache_i16.data_ptr() % 16
     if ((split.constexprs["WIDE"] and not wide_loads(cs))
-            or (split.constexprs["STAGES"] and not tma_loads(cs, cache_i16.data_ptr() % 16))):
+            or (split.constexprs["STAGES"] and not tma_loads(cs, base_mod16))):
         split = split_narrow
-    if split.constexprs["STAGES"]:
-        # One allocation: each program's 256 bytes for its tensor maps (64 fp32 words, first, so that they start
-        # 256-byte aligned), then the partials.
-        ws_words = grid[0] * grid[1] * grid[2] * 64
-        parts = torch.empty(ws_words + part_numel, dtype=torch.float32, device=q.device)
-        tma_ws, part_acc, part_m, part_l = torch.split_with_sizes(parts, (ws_words,) + tuple(part_sizes))
-        tma_ws = tma_ws.view(torch.uint8)
-    else:
-        parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
-        part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)
-        tma_ws = part_m  # (not read without TMA stages)
+    parts = torch.empty(part_numel, dtype=torch.float32, device=q.device)
+    tma_ws, part_acc, part_m, part_l = torch.split_with_sizes(parts, part_sizes)  # (tma_ws: empty without stages)
     kcache = cache_i16.view(torch.int32) if slot["KEY_BITS"] == 8 else cache_i16
     ks = kcache.stride()
     qs, outs = q.stride(), out.stride()
@@ -171,7 +164,7 @@ def launch_decode_spec(spec: DecodeSpec, q: torch.Tensor, out: torch.Tensor, cac
                part_acc, part_m, part_l, out, counters, tma_ws)
     scalars = (qs[0], qs[1], block_table.stride(0), cs[0], cs[1], cs[2], ks[0], ks[1], ks[2],
                cache_i16.shape[0], splits, hq, num_seqs, t, float(sm_scale) * float(LOG2E.value), max_seq_len,
-               outs[0], outs[1], cache_i16.data_ptr() % 16, float(rotation_scale))
+               outs[0], outs[1], base_mod16, float(rotation_scale))
     if first is not None:
         first()
     split(grid, tensors, scalars)
