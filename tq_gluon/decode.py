@@ -233,11 +233,17 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # shared memory and puts a CTA barrier before the first and after the last use. The two tensor maps are built in
 # the kernel, once per program, into its `MAP_WORDS` fp32 words (256 bytes) of ``tma_ws_ptr``.
 MAP_WORDS = 64
+KEY_BOX = 80  # key box row (bytes): codes, norm
+VALUE_BOX = 112  # value box row: codes, scale, zero
+VALUE_BOX_X = 64  # the value box's start past the key box's
+STAGE_BYTES = 16 * (KEY_BOX + VALUE_BOX)  # bytes per stage (a page): the key box, then the value box
+STAGE0 = 1024  # mbarriers (bytes 0 ..), tensor-map templates (512 .., 768 ..), keep-alive (512 ..)
 _MAP_WORDS = gl.constexpr(MAP_WORDS)
-_KBOX = gl.constexpr(80)  # key box row: codes, norm
-_VBOX = gl.constexpr(112)  # value box row (from row byte 64 past the key box's start): codes, scale, zero
-_STAGE_BYTES = gl.constexpr(16 * (80 + 112))  # bytes per stage (a page): the key box, then the value box
-_STAGE0 = gl.constexpr(1024)  # mbarriers (bytes 0 ..), tensor-map templates (512 .., 768 ..), keep-alive (512 ..)
+_KBOX = gl.constexpr(KEY_BOX)
+_VBOX = gl.constexpr(VALUE_BOX)
+_VBOX_X = gl.constexpr(VALUE_BOX_X)
+_STAGE_BYTES = gl.constexpr(STAGE_BYTES)
+_STAGE0 = gl.constexpr(STAGE0)
 _STAGE_KEEP = gl.constexpr(128)  # int32 offset of the keep-alive words (the templates are dead by then)
 # The shared address of ``global_smem`` (where the kernel's shared memory starts).
 _SMEM_BASE = gl.constexpr("mov.u32 $0, global_smem;")
@@ -277,17 +283,19 @@ _MAKE_TENSOR_MAPS = gl.constexpr(
     "setp.eq.u32 l0, t, 0; shl.b32 a, t, 3; add.u32 a, a, $1; mov.b32 z, 0; @w0 st.shared.v2.b32 [a], {z, z}; "
     "bar.warp.sync -1; "
     "cvt.u64.u32 k, $1; add.u64 v, k, 128; mov.b64 gk, $2; add.u64 gv, gk, 128; "
-    + _tensor_map_ptx("k", "gk", "80") + " " + _tensor_map_ptx("v", "gv", "112")
+    + _tensor_map_ptx("k", "gk", str(KEY_BOX)) + " " + _tensor_map_ptx("v", "gv", str(VALUE_BOX))
     + " mov.b32 $0, 0; }")
 # After a CTA barrier (warp 0 wrote the maps): each thread's tensormap-proxy acquire of both maps at $1.
 _ACQUIRE_TENSOR_MAPS = gl.constexpr(
     "{ .reg .b64 v; add.u64 v, $1, 128; fence.proxy.tensormap::generic.acquire.gpu [$1], 128; "
     "fence.proxy.tensormap::generic.acquire.gpu [v], 128; mov.b32 $0, 0; }")
 # Where $5 != 0 (the warp's lane 0, a live page): expect the page's bytes on mbarrier $2 and copy its key box at
-# (x $3, row $4) of tensor map $6 to shared $1 and its value box at (x $3 + 64) of map $7 to $1 + 16 * 80.
+# (x $3, row $4) of tensor map $6 to shared $1 and its value box at (x $3 + `VALUE_BOX_X`) of map $7 after the key
+# box's 16 rows.
 _TMA_ISSUE = gl.constexpr(
-    "{ .reg .pred p; .reg .b64 st; .reg .u32 xv, dv; setp.ne.u32 p, $5, 0; add.u32 xv, $3, 64; add.u32 dv, $1, 1280; "
-    "@p mbarrier.arrive.expect_tx.shared::cta.b64 st, [$2], 3072; "
+    "{ .reg .pred p; .reg .b64 st; .reg .u32 xv, dv; setp.ne.u32 p, $5, 0; "
+    f"add.u32 xv, $3, {VALUE_BOX_X}; add.u32 dv, $1, {16 * KEY_BOX}; "
+    f"@p mbarrier.arrive.expect_tx.shared::cta.b64 st, [$2], {STAGE_BYTES}; "
     "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$6, {$3, $4}], [$2]; "
     "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [dv], [$7, {xv, $4}], [$2]; "
     "mov.b32 $0, 0; }")
@@ -327,7 +335,7 @@ def _axis(layout, dim, rank):
 @gluon.constexpr_function
 def _stage_reserve_words(nw, stages):
     """int32 words of shared memory the stages take (`_STAGE0` and ``nw * stages`` stages), as a power of two."""
-    need = (1024 + nw * stages * 16 * (80 + 112)) // 4
+    need = (STAGE0 + nw * stages * STAGE_BYTES) // 4
     return 1 << (need - 1).bit_length()
 
 
@@ -424,9 +432,10 @@ def _stage_issue(blk, page, page_hi, copy, s, num_blocks):
 @gluon.jit
 def _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, staged, KEY_NORM_WORD: gl.constexpr,
                  SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr):
-    """`_load_page` from the stages: wait for page ``page0 + w``'s stage, read its words (``kidx``, ``vidx``: the
-    `ldmatrix` operands in stage 0, `_staged_indices`; ``staged``: ``(page_lo, page_hi, per-key addresses of their
-    slot byte 0 in each box, copy setup)``), then refill the stage with the warp's page ``STAGES`` trips ahead."""
+    """`_load_page`'s words from the stages: wait for page ``page0 + w``'s stage, read its words (``kidx``,
+    ``vidx``: the `ldmatrix` operands in stage 0, `_staged_indices`; ``staged``: ``(page_lo, page_hi, per-key
+    addresses of their slot byte 0 in each box, copy setup)``), then refill the stage with the warp's page
+    ``STAGES`` trips ahead."""
     page_lo, page_hi, s_addr, copy = staged
     issue_blk, sblk = blocks
     j = (page0 - page_lo) // NW  # the warp's page index (uniform)
@@ -443,8 +452,8 @@ def _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, sta
                                        dtype=gl.int32, is_pure=False, pack=8)
     k_at, v_at = s_addr
     knorm = _lds_u16(k_at + (at + 2 * KEY_NORM_WORD)).to(gl.int16)
-    vscale = _lds_u16(v_at + (at + 2 * SCALE_WORD - 64)).to(gl.int16)
-    vzero = _lds_u16(v_at + (at + 2 * ZERO_WORD - 64)).to(gl.int16)
+    vscale = _lds_u16(v_at + (at + 2 * SCALE_WORD - _VBOX_X)).to(gl.int16)
+    vzero = _lds_u16(v_at + (at + 2 * ZERO_WORD - _VBOX_X)).to(gl.int16)
     _side_effect(_STAGE_FENCE, "=r", [])
     _stage_issue(issue_blk, page0 + STAGES * NW, page_hi, copy, s, num_blocks)
     _, ok = _page_base(sblk, num_blocks, 0, 0)
@@ -468,7 +477,7 @@ def _staged_indices(copy, rot, KR: gl.constexpr, VW: gl.constexpr, VALUE_WORD: g
     k4 = kst + krow * _KBOX + 16 * (ln // 8) + 0 * (b + c)
     k1 = kst + krow * _KBOX + 64 + 0 * (b + c)
     ksel = _selectors(rot, 4 * t, True) + 0 * (b + c + h)
-    vpos = rot + 2 * VALUE_WORD - 64  # the value codes' first byte in the value box
+    vpos = rot + 2 * VALUE_WORD - _VBOX_X  # the value codes' first byte in the value box
     c0 = vpos // 16
     shift = (vpos % 16) // 2  # value words
     vw_, vh, vt, ve, vg, vi = _grid6(VW, NW, 2, 4, 2, 8, 4)
@@ -493,47 +502,41 @@ def _staged_blocks(bt_row, page0, page_hi, sk_w, copy_w, NW: gl.constexpr, STAGE
 def _load_page(cache_ptr, kcache_ptr, blocks, page0, seq_len, num_blocks, stride_cn, stride_cp, head_off,
                k_stride_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8: gl.constexpr,
                KEY_NORM_WORD: gl.constexpr, SCALE_WORD: gl.constexpr, ZERO_WORD: gl.constexpr,
-               WIDE_K: gl.constexpr, WIDE_V: gl.constexpr, staged, NW: gl.constexpr, STAGES: gl.constexpr):
+               WIDE_K: gl.constexpr, WIDE_V: gl.constexpr):
     """Raw words of page ``page0 + w`` for warp ``w``, whose `_page_blocks` are ``blocks``: key words
     (``kidx``'s shape: int16 code words zero-extended to int32, or int32 words of four fp8 keys, from
     ``kcache_ptr``; with ``WIDE_K`` a lane's 16-byte window and 8 extra bytes, `_wide_key_indices`), V code
     words ``[w, h, t, e, g, i]`` (zero-extended; with ``WIDE_V`` window and extra bytes ``[w, h, t, e, g, c]``),
     and per key ``[w, 16]`` the norm (mse keys; the scale bits stand in for fp8 keys, never read), scale and
-    zero bits and the key's validity (live page and key < ``seq_len``). With ``STAGES``, from the warp's stages
-    (`_staged_page`)."""
-    if STAGES > 0:
-        words = _staged_page(blocks, page0, seq_len, num_blocks, kidx, vidx, sk_w, sk_n, staged, KEY_NORM_WORD,
-                             SCALE_WORD, ZERO_WORD, NW, STAGES)
+    zero bits and the key's validity (live page and key < ``seq_len``). (TMA-staged pages: `_staged_page`.)"""
+    kblk, vblk, sblk = blocks
+    if WIDE_K:
+        k_slot, k_word, k_sel = kidx
+        kbase, _ = _page_base(kblk, num_blocks, stride_cn, head_off)
+        kwords = _load_windows(_LOAD_KEY_WINDOW, cache_ptr + (kbase + k_slot + k_word), k_sel)
     else:
-        kblk, vblk, sblk = blocks
-        if WIDE_K:
-            k_slot, k_word, k_sel = kidx
-            kbase, _ = _page_base(kblk, num_blocks, stride_cn, head_off)
-            kwords = _load_windows(_LOAD_KEY_WINDOW, cache_ptr + (kbase + k_slot + k_word), k_sel)
-        else:
-            k_slot5, k_word5 = kidx
-            kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
-            if KEY_FP8:
-                kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
-            else:
-                kwords = _load_code_words(kcache_ptr + (kbase + k_slot5 + k_word5))
-        vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
-        if WIDE_V:
-            v_slot, v_word, v_sel = vidx
-            vwords = _load_windows(_LOAD_VALUE_WINDOWS, cache_ptr + (vbase + v_slot + v_word), v_sel)
-        else:
-            v_slot6, v_word6 = vidx
-            vwords = _load_code_words(cache_ptr + (vbase + v_slot6 + v_word6))
-        sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
-        ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
-        sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
-        vscale = gl.load(sptr + SCALE_WORD)
+        k_slot5, k_word5 = kidx
+        kbase, _ = _page_base(kblk, num_blocks, k_stride_cn, k_head_off)
         if KEY_FP8:
-            knorm = vscale  # (fp8 keys have no norm; never read)
+            kwords = gl.load(kcache_ptr + (kbase + k_slot5 + k_word5))
         else:
-            knorm = gl.load(sptr + KEY_NORM_WORD)
-        words = kwords, vwords, knorm, vscale, gl.load(sptr + ZERO_WORD), ok
-    return words
+            kwords = _load_code_words(kcache_ptr + (kbase + k_slot5 + k_word5))
+    vbase, _ = _page_base(vblk, num_blocks, stride_cn, head_off)
+    if WIDE_V:
+        v_slot, v_word, v_sel = vidx
+        vwords = _load_windows(_LOAD_VALUE_WINDOWS, cache_ptr + (vbase + v_slot + v_word), v_sel)
+    else:
+        v_slot6, v_word6 = vidx
+        vwords = _load_code_words(cache_ptr + (vbase + v_slot6 + v_word6))
+    sbase, ok = _page_base(sblk, num_blocks, stride_cn, head_off)
+    ok = ok & ((page0 + sk_w[:, None]) * 16 + sk_n[None, :] < seq_len)
+    sptr = cache_ptr + (sbase + sk_n[None, :] * stride_cp)
+    vscale = gl.load(sptr + SCALE_WORD)
+    if KEY_FP8:
+        knorm = vscale  # (fp8 keys have no norm; never read)
+    else:
+        knorm = gl.load(sptr + KEY_NORM_WORD)
+    return kwords, vwords, knorm, vscale, gl.load(sptr + ZERO_WORD), ok
 
 
 @gluon.jit
@@ -1042,12 +1045,10 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
     # ---- per-key scalars [w, key] in the score layout
     sk_w = gl.arange(0, NW, layout=gl.SliceLayout(1, SK))
     sk_n = gl.arange(0, 16, layout=gl.SliceLayout(0, SK))
-    if STAGES > 0:  # per key, the shared address of its slot's byte 0 in the key box and in the value box (- 64)
+    if STAGES > 0:  # per key, the shared address of its slot's byte 0 in the key box and in the value box (less x)
         key_at = copy[0] + _STAGE0 + sk_w[:, None] * (STAGES * _STAGE_BYTES) + a_k
         staged = (page_lo, page_hi, (key_at + sk_n[None, :] * _KBOX, key_at + 16 * _KBOX + sk_n[None, :] * _VBOX), copy)
         copy_w = copy[1]
-    else:
-        staged = 0  # (not read)
 
     if KEY_FP8:
         entry = gl.zeros([NW, 2, 8, 4, D // 16, 4], gl.int32, PK)  # (the fp8 words' broadcast shape)
@@ -1085,9 +1086,8 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         blocks = _staged_blocks(bt_row, page_lo, page_hi, sk_w, copy_w, NW, STAGES)
         for it in range(0, n_iter):
             page0 = page_lo + it * NW
-            words = _load_page(cache_ptr, kcache_ptr, blocks, page0, kv_end, num_blocks, stride_cn, stride_cp,
-                               head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8, KEY_NORM_WORD, SCALE_WORD,
-                               ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
+            words = _staged_page(blocks, page0, kv_end, num_blocks, kidx, vidx, sk_w, sk_n, staged, KEY_NORM_WORD,
+                                 SCALE_WORD, ZERO_WORD, NW, STAGES)
             blocks = _staged_blocks(bt_row, page0 + NW, page_hi, sk_w, copy_w, NW, STAGES)
             key_pos = (page0 + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
@@ -1098,7 +1098,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
         blocks = _page_blocks(bt_row, page_lo + NW, page_hi, k_w, v_w, sk_w)
         cur = _load_page(cache_ptr, kcache_ptr, _page_blocks(bt_row, page_lo, page_hi, k_w, v_w, sk_w), page_lo,
                          kv_end, num_blocks, stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n,
-                         KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
+                         KEY_FP8, KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
         if ROTATE:  # (here, so that the first page's loads are in flight meanwhile)
             q = _rotated_query(q_ptr, rot_ptr, rot_scale, stride_qt, stride_qh, kv_head, q_start, q_len, tok0, live,
                                seq_len, a_k, G, BLOCK_Q, NR, NW, KEY_BITS, WIDE_K, B_L)
@@ -1109,7 +1109,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
                 words = cur
                 cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + 1) * NW, kv_end, num_blocks,
                                  stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
-                                 KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
+                                 KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
                 blocks = _page_blocks(bt_row, page_lo + (it + 2) * NW, page_hi, k_w, v_w, sk_w)
                 key_pos = (page_lo + it * NW + sk_w[:, None]) * 16 + sk_n[None, :]
                 acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s,
@@ -1118,7 +1118,7 @@ def gluon_decode_kernel(q_ptr, cache_ptr, kcache_ptr, cb_ptr, bt_ptr, seq_lens_p
             words = cur
             cur = _load_page(cache_ptr, kcache_ptr, blocks, page_lo + (it + UNROLL) * NW, kv_end, num_blocks,
                              stride_cn, stride_cp, head_off, k_cn, k_head_off, kidx, vidx, sk_w, sk_n, KEY_FP8,
-                             KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V, staged, NW, STAGES)
+                             KEY_NORM_WORD, SCALE_WORD, ZERO_WORD, WIDE_K, WIDE_V)
             blocks = _page_blocks(bt_row, page_lo + (it + UNROLL + 1) * NW, page_hi, k_w, v_w, sk_w)
             key_pos = (page_lo + (it + UNROLL - 1) * NW + sk_w[:, None]) * 16 + sk_n[None, :]
             acc, m_i, l_i, z_i = _attend_page(words, acc, m_i, l_i, z_i, q, ones, entry, vzeros, zero_s, square_scale,
